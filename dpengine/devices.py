@@ -1,0 +1,103 @@
+"""Device lists: parse what the user wrote, check it against what exists, name devices.
+
+Virtual CPU devices are `torch.device("cpu", N)`: a label for a replica's worker
+thread; their tensors live in ordinary CPU memory.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+DeviceLike = int | str | torch.device
+
+# How many virtual CPU devices a picker offers when the user asked for fewer.
+MIN_VIRTUAL_DEVICES = 4
+
+
+def device_name(device: torch.device) -> str:
+    """`cpu:1`, `cuda:0`: always with an index."""
+    return f"{device.type}:{device.index if device.index is not None else 0}"
+
+
+def cuda_device_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _describe_available() -> str:
+    count = cuda_device_count()
+    cuda = ", ".join(f"cuda:{i}" for i in range(count)) if count else "no CUDA devices"
+    return f"available: {cuda}; virtual CPU devices cpu:0, cpu:1, ..."
+
+
+def parse_device(spec: DeviceLike) -> torch.device:
+    """One entry of a device list; ints are CUDA indices, as in torch.nn.DataParallel."""
+    if isinstance(spec, bool):
+        raise ValueError(f"invalid device {spec!r}: expected an int, 'cuda:N' or 'cpu:N'")
+    if isinstance(spec, int):
+        device = torch.device("cuda", spec) if spec >= 0 else None
+    elif isinstance(spec, torch.device):
+        device = spec
+    elif isinstance(spec, str):
+        text = spec.strip()
+        if text.isdigit():
+            device = torch.device("cuda", int(text))
+        else:
+            try:
+                device = torch.device(text)
+            except RuntimeError:
+                device = None
+    else:
+        device = None
+    if device is None or device.type not in ("cuda", "cpu"):
+        raise ValueError(
+            f"invalid device {spec!r}: expected an int, 'cuda:N' or 'cpu:N' ({_describe_available()})"
+        )
+    if device.index is None:
+        device = torch.device(device.type, 0)
+    return device
+
+
+def resolve_devices(specs: Sequence[DeviceLike]) -> list[torch.device]:
+    """Parse and check a whole list; raise ValueError naming the bad entry."""
+    if isinstance(specs, (str, int, torch.device)):
+        specs = [specs]
+    if len(specs) == 0:
+        raise ValueError(f"empty device list: name at least one device ({_describe_available()})")
+    devices = [parse_device(spec) for spec in specs]
+    seen: set[torch.device] = set()
+    for spec, device in zip(specs, devices):
+        if device in seen:
+            raise ValueError(f"device {device_name(device)} is listed twice: each device may appear once")
+        seen.add(device)
+    kinds = {d.type for d in devices}
+    if len(kinds) > 1:
+        raise ValueError(
+            "cannot mix cpu and cuda devices in one run: use only cuda:N or only cpu:N devices"
+        )
+    count = cuda_device_count()
+    for spec, device in zip(specs, devices):
+        if device.type == "cuda" and device.index >= count:
+            raise ValueError(f"device {spec!r} does not exist ({_describe_available()})")
+    return devices
+
+
+def default_devices() -> list[torch.device]:
+    """torch's default: every visible CUDA device (empty without CUDA)."""
+    return [torch.device("cuda", i) for i in range(cuda_device_count())]
+
+
+def auto_devices(virtual: int = 2) -> list[torch.device]:
+    """`--devices auto`: every visible GPU, else `virtual` virtual CPU devices."""
+    return default_devices() or [torch.device("cpu", i) for i in range(virtual)]
+
+
+def available_devices(selected: Sequence[torch.device]) -> list[torch.device]:
+    """What a user could switch on: every GPU, or enough virtual CPU devices."""
+    if selected and selected[0].type == "cuda":
+        return default_devices()
+    highest = max((d.index for d in selected), default=-1) + 1
+    count = max(MIN_VIRTUAL_DEVICES, highest, min(os.cpu_count() or 1, 8))
+    return [torch.device("cpu", i) for i in range(count)]

@@ -1,0 +1,144 @@
+"""Events a training run publishes, frozen so they cross threads as they are.
+
+The same stream feeds the headless printer, the JSON output, the run log and the UI.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Union
+
+from .records import StepRecord
+from .telemetry.sample import DeviceSample
+
+
+@dataclass(frozen=True, slots=True)
+class RunConfig:
+    """A run's resolved configuration."""
+
+    workload: str
+    backend: str  # "dp"
+    devices: tuple[str, ...]  # the devices in use, in replica order
+    available_devices: tuple[str, ...]  # what could be chosen (the UI's dimmed panels)
+    batch_size: int
+    epochs: int | None  # None: until stopped
+    lr: float
+    seed: int | None
+    samples: int  # dataset size
+    device_names: tuple[str, ...] = ()  # one per available device: "NVIDIA H200", "virtual"
+
+
+@dataclass(frozen=True, slots=True)
+class RunStarted:
+    config: RunConfig
+
+
+@dataclass(frozen=True, slots=True)
+class StepFinished:
+    epoch: int  # from 1
+    step: int  # global step count, from 1
+    step_in_epoch: int  # from 1
+    steps_in_epoch: int  # at the current batch size
+    batch_size: int  # the global batch this step actually had (the last one is smaller)
+    input_shape: tuple[int, ...]  # the batch "Outside" the model
+    output_shape: tuple[int, ...]
+    loss: float
+    samples_per_s: float  # this step's batch over its wall time
+    record: StepRecord  # the engine's per-replica record
+    seconds: float  # since the run started
+
+
+@dataclass(frozen=True, slots=True)
+class EpochFinished:
+    epoch: int
+    steps: int
+    samples: int
+    mean_loss: float  # over samples
+    seconds: float
+    samples_per_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class TelemetrySampled:
+    samples: tuple[DeviceSample, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class StateChanged:
+    """Run state: running, paused, pending (a change waits for the step boundary), stopping."""
+
+    state: str
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigChanged:
+    """A batch size or device change took effect at a step boundary."""
+
+    batch_size: int
+    devices: tuple[str, ...]
+    step: int  # the first step that runs with it
+
+
+@dataclass(frozen=True, slots=True)
+class RunFinished:
+    final_loss: float | None  # mean loss over the last epoch run (partial if stopped)
+    epochs: int
+    steps: int
+    samples: int
+    seconds: float
+    stopped: bool  # stopped early on request
+
+
+@dataclass(frozen=True, slots=True)
+class RunFailed:
+    error: str  # one line: "ValueError: ..."
+    error_type: str
+    replica: int | None = None  # set when the error came from a replica
+    device: str | None = None
+    traceback: str = ""  # for logs; never drawn raw on screen
+
+
+Event = Union[
+    RunStarted, StepFinished, EpochFinished, TelemetrySampled, StateChanged,
+    ConfigChanged, RunFinished, RunFailed,
+]
+
+_TYPE_NAMES = {
+    RunStarted: "run_started",
+    StepFinished: "step",
+    EpochFinished: "epoch",
+    TelemetrySampled: "telemetry",
+    StateChanged: "state",
+    ConfigChanged: "config",
+    RunFinished: "run_finished",
+    RunFailed: "run_failed",
+}
+
+
+def event_type(event: Event) -> str:
+    return _TYPE_NAMES[type(event)]
+
+
+def _jsonable(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (tuple, list)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, float) and not math.isfinite(value):
+        return None  # JSON has no NaN/inf
+    return value
+
+
+def to_json_dict(event: Event) -> dict[str, Any]:
+    """A JSON-ready dict with a `type` field; a step lists replicas with their chunk sizes."""
+    body = _jsonable(event)
+    if isinstance(event, StepFinished):
+        record = body.pop("record")
+        body["replicas"] = record.pop("replicas")
+        body["engine"] = record  # scatter/replicate/apply/gather/total times
+    return {"type": event_type(event), **body}

@@ -1,0 +1,179 @@
+"""Run replicas in persistent worker threads, one per device.
+
+torch's parallel_apply starts a new thread per replica on every call; here the
+threads are made once and fed through queues. The caller's thread-local state
+(grad mode, inference mode, autocast enabled *and* dtype for cpu and cuda) is
+carried into the workers for each call; on CUDA each worker runs under its
+device and the caller's current stream.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch._utils import ExceptionWrapper
+
+from .devices import device_name
+
+_AUTOCAST_TYPES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True, slots=True)
+class ThreadState:
+    """The caller's thread-local torch state that a replica must run under."""
+
+    grad_enabled: bool
+    inference_mode: bool
+    autocast: tuple[tuple[str, torch.dtype], ...]  # device types with autocast on, and dtype
+
+    @classmethod
+    def capture(cls) -> ThreadState:
+        autocast = tuple(
+            (kind, torch.get_autocast_dtype(kind))
+            for kind in _AUTOCAST_TYPES
+            if torch.is_autocast_enabled(kind)
+        )
+        return cls(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast)
+
+    def enter(self, stack: ExitStack) -> None:
+        if self.inference_mode:
+            stack.enter_context(torch.inference_mode())
+        stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
+        for kind, dtype in self.autocast:
+            stack.enter_context(torch.autocast(kind, dtype=dtype))
+
+
+class ReplicaFailure(Exception):
+    """Where a replica error came from; attached to the re-raised error as `.replica_failure`."""
+
+    def __init__(self, index: int, device: str) -> None:
+        super().__init__(f"replica {index} on device {device}")
+        self.index = index
+        self.device = device
+
+
+def replica_failure(error: BaseException) -> ReplicaFailure | None:
+    """The replica and device an exception came from, if it came from one."""
+    return getattr(error, "replica_failure", None)
+
+
+class _Call:
+    """One parallel_apply call: results by replica index, and a countdown to done."""
+
+    def __init__(self, count: int) -> None:
+        self.results: list[Any] = [None] * count
+        self._left = count
+        self._lock = threading.Lock()
+        self.done = threading.Event()
+
+    def finish(self, index: int, result: Any) -> None:
+        self.results[index] = result
+        with self._lock:
+            self._left -= 1
+            if self._left == 0:
+                self.done.set()
+
+
+class _Worker(threading.Thread):
+    def __init__(self, device: torch.device, intra_op_threads: int | None, ready: threading.Barrier):
+        super().__init__(name=f"dpengine-{device_name(device)}", daemon=True)
+        self.device = device
+        self.tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._intra_op_threads = intra_op_threads
+        self._ready = ready
+
+    def run(self) -> None:
+        if self._intra_op_threads is not None:
+            torch.set_num_threads(self._intra_op_threads)
+        self._ready.wait()
+        while True:
+            task = self.tasks.get()
+            if task is None:
+                return
+            task()
+            del task  # do not keep the last call's tensors alive while idle
+
+
+class WorkerPool:
+    """One persistent thread per device."""
+
+    def __init__(self, devices: Sequence[torch.device]) -> None:
+        self.devices = list(devices)
+        cpu = self.devices[0].type == "cpu"
+        total_threads = torch.get_num_threads()
+        # Replica threads and torch's intra-op threads must not oversubscribe the cores.
+        self.intra_op_threads = max(1, total_threads // len(self.devices)) if cpu else None
+        ready = threading.Barrier(len(self.devices) + 1)
+        self._workers = [_Worker(d, self.intra_op_threads, ready) for d in self.devices]
+        for worker in self._workers:
+            worker.start()
+        ready.wait()
+        if cpu:
+            # set_num_threads in a worker also sets the default for threads made later; restore it.
+            torch.set_num_threads(total_threads)
+        self._closed = False
+
+    def thread_ids(self) -> dict[str, int]:
+        """device name -> native thread id of its worker (for per-device CPU telemetry)."""
+        return {device_name(w.device): w.native_id for w in self._workers}
+
+    def threads(self) -> list[threading.Thread]:
+        return list(self._workers)
+
+    def run(self, jobs: Sequence[tuple[int, Callable[[], Any]]]) -> list[Any]:
+        """Run each (device slot, job) on that slot's worker; results (or ExceptionWrappers) in job order."""
+        if self._closed:
+            raise RuntimeError("this DataParallel's workers were closed")
+        call = _Call(len(jobs))
+        for index, (slot, job) in enumerate(jobs):
+            self._workers[slot].tasks.put(_make_task(call, index, job, self.devices[slot]))
+        call.done.wait()
+        return call.results
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for worker in self._workers:
+            worker.tasks.put(None)
+        for worker in self._workers:
+            if worker is not threading.current_thread():
+                worker.join(timeout=5)
+
+
+def _make_task(call: _Call, index: int, job: Callable[[], Any], device: torch.device):
+    def task() -> None:
+        try:
+            result = job()
+        except BaseException:  # noqa: BLE001 - a worker must survive anything a replica raises
+            result = ExceptionWrapper(where=f"in replica {index} on device {device_name(device)}")
+        call.finish(index, result)
+
+    return task
+
+
+def run_in_state(
+    state: ThreadState, device: torch.device, stream: Any, fn: Callable[[], Any]
+) -> Any:
+    """fn() under the caller's thread state, and on CUDA under the device and stream."""
+    with ExitStack() as stack:
+        if device.type == "cuda":
+            stack.enter_context(torch.cuda.device(device))
+            stack.enter_context(torch.cuda.stream(stream))
+        state.enter(stack)
+        return fn()
+
+
+def reraise(failure: ExceptionWrapper, index: int, device: str) -> None:
+    """Raise the replica's error in the caller: same type, replica and device in the message."""
+    try:
+        failure.reraise()
+    except BaseException as error:
+        error.replica_failure = ReplicaFailure(index, device)
+        raise

@@ -1,0 +1,51 @@
+"""What the engine recorded about one step: frozen, so it can cross threads as is."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaRecord:
+    """One replica's share of a step."""
+
+    index: int
+    device: str  # "cpu:1", "cuda:0"
+    chunk_size: int  # rows along the scatter dim
+    input_shapes: tuple[Shape, ...]
+    output_shapes: tuple[Shape, ...]
+    forward_ms: float
+    # CPU: bytes of tensors the replica saved for backward. CUDA: memory_allocated after forward.
+    memory_bytes: int
+    # CUDA only: the device's peak allocation during the step.
+    peak_memory_bytes: int | None = None
+    # Time spent in this replica's autograd nodes; None until its backward has run.
+    backward_ms: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One forward (and, once it ran, its backward) through DataParallel."""
+
+    step: int  # forward count of this DataParallel, from 1
+    dim: int
+    batch_size: int  # rows along dim of the first scattered tensor
+    input_shapes: tuple[Shape, ...]
+    output_shapes: tuple[Shape, ...]
+    replicas: tuple[ReplicaRecord, ...]
+    scatter_ms: float
+    replicate_ms: float
+    apply_ms: float
+    gather_ms: float
+    total_ms: float  # the whole forward, as the caller saw it
+    backward_ms: float | None = None  # wall time of the backward over all replicas
+
+    @property
+    def chunk_sizes(self) -> tuple[int, ...]:
+        return tuple(r.chunk_size for r in self.replicas)
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        return tuple(r.device for r in self.replicas)
