@@ -1,0 +1,38 @@
+"""Device telemetry: NVML for CUDA devices, psutil for virtual CPU devices, sampled off-thread."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+from .base import CombinedSource, TelemetrySource
+from .cpu import CpuSource
+from .nvml import NvmlSource
+from .poller import TelemetryPoller
+from .sample import DeviceSample
+
+__all__ = [
+    "CombinedSource",
+    "CpuSource",
+    "DeviceSample",
+    "NvmlSource",
+    "TelemetryPoller",
+    "TelemetrySource",
+    "open_telemetry",
+]
+
+
+def open_telemetry(
+    devices: Sequence[str], thread_ids: Callable[[], Mapping[str, int]] | None = None
+) -> TelemetrySource:
+    """One source for a mix of "cuda:N" and "cpu:N" devices, sampled in the given order."""
+    cuda = [d for d in devices if d.startswith("cuda:")]
+    cpu = [d for d in devices if d.startswith("cpu:")]
+    other = [d for d in devices if d not in cuda and d not in cpu]
+    if other:
+        raise ValueError(f"no telemetry for devices {other}: expected cuda:N or cpu:N")
+    sources: list[TelemetrySource] = []
+    if cuda:
+        sources.append(NvmlSource(cuda))
+    if cpu:
+        sources.append(CpuSource(cpu, thread_ids))
+    return CombinedSource(sources, devices)
