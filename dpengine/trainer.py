@@ -68,7 +68,8 @@ class Trainer:
         self._telemetry = telemetry
         self._telemetry_interval = telemetry_interval
         self.checkpoint = Path(checkpoint) if checkpoint else None
-        self.resume = Path(resume) if resume else None
+        # Not `self.resume`: that name is the resume() method the UI calls after pause().
+        self.resume_from = Path(resume) if resume else None
 
         self._subscribers: list[Subscriber] = []
         self._lock = threading.Condition()
@@ -194,8 +195,8 @@ class Trainer:
         self._move_model(self._devices[0])
         optimizer = self.workload.make_optimizer(self.lr)
         run = self._run
-        if self.resume is not None:
-            run.restore(self.resume, model, optimizer)
+        if self.resume_from is not None:
+            run.restore(self.resume_from, model, optimizer)
             self._move_optimizer_state(optimizer, self._devices[0])
         self._dp = DataParallel(model, self._devices)
         dataset = self.workload.dataset
@@ -215,7 +216,7 @@ class Trainer:
                 break
             self._publish(run.end_epoch())
         if self.checkpoint is not None:
-            run.save(self.checkpoint, model, optimizer, self._batch_size)
+            run.save(self.checkpoint, model, optimizer, self._batch_size, self.seed)
         return RunFinished(
             final_loss=run.final_loss(), epochs=run.epoch, steps=run.step, samples=run.samples_seen,
             seconds=time.perf_counter() - run.started, stopped=stopped,
@@ -346,7 +347,7 @@ class _RunState:
             return self._epoch_loss / self._epoch_samples
         return self._last_epoch_loss
 
-    def save(self, path: Path, model, optimizer, batch_size: int) -> None:
+    def save(self, path: Path, model, optimizer, batch_size: int, seed: int) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         state = {
             "model": model.state_dict(),
@@ -355,6 +356,7 @@ class _RunState:
             "position": self.position,
             "step": self.step,
             "batch_size": batch_size,
+            "seed": seed,  # the data and batch order to continue with (`--resume` without `--seed`)
         }
         partial = path.with_name(path.name + ".partial")
         torch.save(state, partial)

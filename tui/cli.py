@@ -154,11 +154,19 @@ def make_trainer_factory(settings: Settings, headless: bool):
     from dpengine.workloads import WorkloadError, check_workload, load_workload
 
     args = settings.args
-    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little") >> 1
+    saved = _read_checkpoint(args.resume) if args.resume else None
+    seed = args.seed
+    if seed is None and saved is not None and isinstance(saved.get("seed"), int):
+        seed = saved["seed"]  # resuming: the same data and batch order as the run that saved it
+    if seed is None:
+        seed = int.from_bytes(os.urandom(4), "little") >> 1
     try:
-        check_workload(load_workload(args.model, args.dataset, seed=seed))
+        workload = load_workload(args.model, args.dataset, seed=seed)
+        check_workload(workload)
     except WorkloadError as error:
         raise UsageError(str(error)) from None
+    if saved is not None:
+        _check_checkpoint_fits(args.resume, saved, workload, args.lr)
     epochs = args.epochs if args.epochs is not None else (1 if headless else None)
 
     def factory() -> Trainer:
@@ -178,6 +186,35 @@ def make_trainer_factory(settings: Settings, headless: bool):
     return factory
 
 
+def _first_line(error: Exception) -> str:
+    text = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    text = text if len(text) <= 200 else text[:197] + "..."
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def _read_checkpoint(path: str) -> dict:
+    """The state --resume names; a UsageError unless it is a dptui checkpoint."""
+    import torch
+
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # noqa: BLE001 - any unreadable file is the same usage error
+        raise UsageError(f"--resume {path}: not a checkpoint torch can load ({_first_line(error)})") from None
+    keys = ("model", "optimizer", "epoch", "position", "step")
+    if not isinstance(state, dict) or any(key not in state for key in keys):
+        raise UsageError(f"--resume {path}: not a dptui checkpoint (expected the keys {', '.join(keys)})")
+    return state
+
+
+def _check_checkpoint_fits(path: str, state: dict, workload, lr: float | None) -> None:
+    # `workload` is the throwaway copy made for checking: loading into it trains nothing.
+    try:
+        workload.model.load_state_dict(state["model"])
+        workload.make_optimizer(lr).load_state_dict(state["optimizer"])
+    except Exception as error:  # noqa: BLE001 - a mismatch of any kind
+        raise UsageError(f"--resume {path}: does not fit workload {workload.name!r} ({_first_line(error)})") from None
+
+
 def run_headless(settings: Settings, factory) -> int:
     from dpengine.events import RunFailed
     from dpengine.runlog import JsonLinesWriter
@@ -187,19 +224,55 @@ def run_headless(settings: Settings, factory) -> int:
     args = settings.args
     trainer = factory()
     if args.json:
-        trainer.subscribe(JsonLinesWriter(sys.stdout))
+        stdout = _StdoutGuard(JsonLinesWriter(sys.stdout), trainer)
     else:
         if settings.note:
             print(settings.note, flush=True)
-        trainer.subscribe(TextPrinter(every=args.every))
+        stdout = _StdoutGuard(TextPrinter(every=args.every), trainer)
+    trainer.subscribe(stdout)
     with _log_file(args.log) as log:
         if log is not None:
             trainer.subscribe(JsonLinesWriter(log))
         with _stop_on_interrupt(trainer) as interrupted:
             result = trainer.run()
+    if stdout.broken:
+        # Output piped into e.g. `head`, which has read enough: not an error of ours.
+        _silence_stdout()
+        return EXIT_OK
     if isinstance(result, RunFailed):
         return EXIT_FAILED
     return EXIT_INTERRUPTED if interrupted() else EXIT_OK
+
+
+class _StdoutGuard:
+    """Wraps the stdout subscriber: when stdout's reader goes away, stop training quietly.
+
+    Without it the BrokenPipeError would reach the trainer as a training failure (exit 1).
+    """
+
+    def __init__(self, callback: Callable, trainer) -> None:
+        self._callback = callback
+        self._trainer = trainer
+        self.broken = False
+
+    def __call__(self, event) -> None:
+        if self.broken:
+            return
+        try:
+            self._callback(event)
+        except BrokenPipeError:
+            self.broken = True
+            self._trainer.stop()
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's last flush does not fail on the closed pipe."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no real file descriptor (tests): nothing will be flushed there
+        pass
 
 
 class _log_file:

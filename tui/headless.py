@@ -30,7 +30,9 @@ class TextPrinter:
     (0 shows none); epoch summaries and the final loss are always printed.
     """
 
-    def __init__(self, out: IO[str] = sys.stdout, err: IO[str] = sys.stderr, every: int = 1) -> None:
+    def __init__(self, out: IO[str] | None = None, err: IO[str] | None = None, every: int = 1) -> None:
+        # None: sys.stdout / sys.stderr as they are when a line is written, not when this module
+        # was imported (so redirect_stdout and pytest's capsys see the output).
         self._out = out
         self._err = err
         self._every = every
@@ -40,7 +42,10 @@ class TextPrinter:
         lines = self._lines(event)
         if not lines:
             return
-        stream = self._err if isinstance(event, RunFailed) else self._out
+        if isinstance(event, RunFailed):
+            stream = self._err if self._err is not None else sys.stderr
+        else:
+            stream = self._out if self._out is not None else sys.stdout
         with self._lock:
             stream.write("".join(line + "\n" for line in lines))
             stream.flush()
