@@ -237,7 +237,11 @@ class _PendingStep:
         self.dim = owner.dim
         self.cuda = owner.devices[0].type == "cuda"
         self.backward_done = False
-        self.countdown = BackwardCountdown(partial(owner._on_backward_done, self))
+        # Weak references: the graph's hooks hold the countdown, and a strong one back to
+        # this step (or its owner) would be a reference cycle that outlives the backward.
+        self.countdown = BackwardCountdown(
+            partial(_notify_backward_done, weakref.ref(owner), weakref.ref(self))
+        )
         self._forward: dict[str, Any] = {}
 
     def set_forward(self, batch_size, input_shapes, output_shapes, times) -> None:
@@ -258,6 +262,12 @@ class _PendingStep:
             scatter_ms=scatter, replicate_ms=replicate_, apply_ms=apply, gather_ms=gather_,
             total_ms=total, backward_ms=backward_ms,
         )
+
+
+def _notify_backward_done(owner_ref: weakref.ref, pending_ref: weakref.ref) -> None:
+    owner, pending = owner_ref(), pending_ref()
+    if owner is not None and pending is not None:
+        owner._on_backward_done(pending)
 
 
 def _batch_rows(inputs: tuple, kwargs: dict, dim: int) -> int:

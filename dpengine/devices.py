@@ -35,7 +35,9 @@ def _describe_available() -> str:
 def parse_device(spec: DeviceLike) -> torch.device:
     """One entry of a device list; ints are CUDA indices, as in torch.nn.DataParallel."""
     if isinstance(spec, bool):
-        raise ValueError(f"invalid device {spec!r}: expected an int, 'cuda:N' or 'cpu:N'")
+        raise ValueError(
+            f"invalid device {spec!r}: expected an int, 'cuda:N' or 'cpu:N' ({_describe_available()})"
+        )
     if isinstance(spec, int):
         device = torch.device("cuda", spec) if spec >= 0 else None
     elif isinstance(spec, torch.device):
@@ -70,13 +72,18 @@ def resolve_devices(specs: Sequence[DeviceLike]) -> list[torch.device]:
     seen: set[torch.device] = set()
     for spec, device in zip(specs, devices):
         if device in seen:
-            raise ValueError(f"device {device_name(device)} is listed twice: each device may appear once")
+            raise ValueError(
+                f"device {spec!r} ({device_name(device)}) is listed twice: each device may appear "
+                f"once ({_describe_available()})"
+            )
         seen.add(device)
-    kinds = {d.type for d in devices}
-    if len(kinds) > 1:
-        raise ValueError(
-            "cannot mix cpu and cuda devices in one run: use only cuda:N or only cpu:N devices"
-        )
+    for spec, device in zip(specs, devices):
+        if device.type != devices[0].type:
+            raise ValueError(
+                f"device {spec!r} is {device.type} but {specs[0]!r} is {devices[0].type}: cannot mix "
+                f"cpu and cuda devices in one run, use only cuda:N or only cpu:N devices "
+                f"({_describe_available()})"
+            )
     count = cuda_device_count()
     for spec, device in zip(specs, devices):
         if device.type == "cuda" and device.index >= count:

@@ -67,7 +67,11 @@ class TelemetrySampled:
 
 @dataclass(frozen=True, slots=True)
 class StateChanged:
-    """Run state: running, paused, pending (a change waits for the step boundary), stopping."""
+    """The run paused or went on at a step boundary: state is "paused" or "running".
+
+    Requested changes are not events: whoever asked shows them as pending until the
+    ConfigChanged that applies them.
+    """
 
     state: str
     detail: str = ""

@@ -30,13 +30,21 @@ _MAX_HOOKED_NODES = 20_000
 
 
 def tensors_of(obj: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    _collect_tensors(obj, found)
+    return found
+
+
+def _collect_tensors(obj: Any, found: list[torch.Tensor]) -> None:
+    # One list filled in place: this runs several times per step on the hot path.
     if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (tuple, list)):
-        return [t for item in obj for t in tensors_of(item)]
-    if isinstance(obj, dict):
-        return [t for value in obj.values() for t in tensors_of(value)]
-    return []
+        found.append(obj)
+    elif isinstance(obj, (tuple, list)):
+        for item in obj:
+            _collect_tensors(item, found)
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            _collect_tensors(value, found)
 
 
 def shapes_of(obj: Any) -> tuple[Shape, ...]:
@@ -110,6 +118,7 @@ class BackwardTimer:
         """Hook every node owned by the replica; returns how many were hooked."""
         stack = [t.grad_fn for t in tensors_of(outputs) if t.grad_fn is not None]
         seen: set[Any] = set()
+        before, after = self._before, self._after  # bound once, not once per node
         while stack and len(seen) < _MAX_HOOKED_NODES:
             node = stack.pop()
             if node is None or node in seen or node in boundary:
@@ -117,9 +126,10 @@ class BackwardTimer:
             if type(node).__name__ in _FOREIGN_NODES:
                 continue
             seen.add(node)
-            node.register_prehook(self._before)
-            node.register_hook(self._after)
-            stack.extend(next_node for next_node, _ in node.next_functions)
+            node.register_prehook(before)
+            node.register_hook(after)
+            for next_node, _ in node.next_functions:
+                stack.append(next_node)
         self._nodes_left = len(seen)
         return self._nodes_left
 

@@ -90,6 +90,9 @@ class _Worker(threading.Thread):
 
     def run(self) -> None:
         if self._intra_op_threads is not None:
+            # Read first: a thread's first get_num_threads (also the first op) re-applies
+            # the process default, which would undo a set_num_threads made before it.
+            torch.get_num_threads()
             torch.set_num_threads(self._intra_op_threads)
         self._ready.wait()
         while True:
@@ -162,6 +165,14 @@ def run_in_state(
     state: ThreadState, device: torch.device, stream: Any, fn: Callable[[], Any]
 ) -> Any:
     """fn() under the caller's thread state, and on CUDA under the device and stream."""
+    if device.type != "cuda" and not state.inference_mode and not state.autocast:
+        # The common CPU case, without an ExitStack: what `with torch.set_grad_enabled(...)` does.
+        previous = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(state.grad_enabled)
+        try:
+            return fn()
+        finally:
+            torch._C._set_grad_enabled(previous)
     with ExitStack() as stack:
         if device.type == "cuda":
             stack.enter_context(torch.cuda.device(device))

@@ -29,15 +29,38 @@ def replicate_shared(module: nn.Module, count: int) -> list[nn.Module]:
     position = {id(m): i for i, m in enumerate(modules)}
     replicas = []
     for r in range(count):
-        copies = [m._replicate_for_data_parallel() for m in modules]
+        copies = [_copy(m, share_buffers=r == 0) for m in modules]
         for original, copy in zip(modules, copies):
-            copy._parameters = dict(original._parameters)
-            if r > 0:
-                copy._buffers = {
-                    name: None if buf is None else buf.clone()
-                    for name, buf in original._buffers.items()
-                }
             for name, child in original._modules.items():
                 copy._modules[name] = None if child is None else copies[position[id(child)]]
         replicas.append(copies[0])
     return replicas
+
+
+_MODULE_SETATTR = nn.Module.__setattr__
+_MODULE_REPLICATE = nn.Module._replicate_for_data_parallel
+
+
+def _copy(module: nn.Module, share_buffers: bool) -> nn.Module:
+    """A shallow replica of `module` alone: its parameters shared, its buffers shared or cloned."""
+    buffers = (
+        module._buffers.copy() if share_buffers
+        else {name: None if buf is None else buf.clone() for name, buf in module._buffers.items()}
+    )
+    kind = type(module)
+    if kind.__setattr__ is not _MODULE_SETATTR or kind._replicate_for_data_parallel is not _MODULE_REPLICATE:
+        # A class that customises either gets the general path, through its own methods.
+        copy = module._replicate_for_data_parallel()
+        copy._parameters = dict(module._parameters)
+        copy._buffers = buffers
+        return copy
+    # What Module._replicate_for_data_parallel plus the assignments above leave, built in one go:
+    # nn.Module.__setattr__ is slow and these keys never hold a parameter, buffer or module.
+    state = module.__dict__.copy()
+    state["_parameters"] = dict(module._parameters)
+    state["_buffers"] = buffers
+    state["_modules"] = module._modules.copy()
+    state["_is_replica"] = True
+    copy = module.__new__(kind)
+    object.__setattr__(copy, "__dict__", state)
+    return copy

@@ -68,7 +68,12 @@ class Split:
             sizes = weighted_sizes(rows, self.weights)
         else:
             return list(enumerate(even_sizes(rows, self.device_count)))
-        return [(slot, size) for slot, size in enumerate(sizes) if size > 0]
+        plan = [(slot, size) for slot, size in enumerate(sizes) if size > 0]
+        if not plan:
+            # An empty batch: like torch.chunk, every device that takes part gets an empty chunk.
+            taking_part = self.weights if self.weights is not None else [1] * self.device_count
+            plan = [(slot, 0) for slot, weight in enumerate(taking_part) if weight > 0]
+        return plan
 
 
 def even_sizes(rows: int, count: int) -> list[int]:
@@ -157,9 +162,10 @@ def scatter_kwargs(
         count = 1 if not inputs and not kwargs else len(devices)
         return [inputs] * count, [kwargs] * count, list(range(count))
 
-    plan = split.plan(_row_count(tensors[0], dim))
+    rows = [_row_count(tensor, dim) for tensor in tensors]
+    plan = split.plan(rows[0])
     for tensor in tensors[1:]:
-        other = split.plan(_row_count(tensor, dim)) if tensor.size(dim) != tensors[0].size(dim) else plan
+        other = split.plan(tensor.size(dim)) if tensor.size(dim) != rows[0] else plan
         if [slot for slot, _ in other] != [slot for slot, _ in plan]:
             raise ValueError(
                 f"inputs disagree on the batch along dim {dim}: one tensor of "
@@ -192,7 +198,8 @@ def _gather_tensors(outputs: Sequence[torch.Tensor], target: torch.device, dim: 
             warnings.warn(_SCALAR_WARNING)
             outputs = [o.view(1) for o in outputs]
         return torch.cat(list(outputs), dim)
-    return _CudaGather.apply(target, dim, *outputs)
+    # torch's Gather takes the string "cpu" for a CPU target (a torch.device("cpu") fails there).
+    return _CudaGather.apply("cpu" if target.type == "cpu" else target, dim, *outputs)
 
 
 def gather(outputs: Sequence[Any], target: torch.device, dim: int = 0) -> Any:

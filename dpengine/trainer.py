@@ -59,7 +59,16 @@ class Trainer:
         self.workload = workload
         self._devices = resolve_devices(devices)
         self._available = resolve_devices(available) if available else available_devices(self._devices)
+        # Not `self.resume`: that name is the resume() method the UI calls after pause().
+        self.resume_from = Path(resume) if resume else None
+        self._saved = (
+            torch.load(self.resume_from, map_location="cpu", weights_only=True) if self.resume_from else None
+        )
+        if batch_size is None:
+            # Resuming goes on at the batch size the run had, unless told otherwise.
+            batch_size = self._saved.get("batch_size") if self._saved else None
         self._batch_size = _check_batch_size(batch_size if batch_size is not None else workload.batch_size)
+        self._explicit_lr = lr is not None
         if epochs is not None and epochs < 0:
             raise ValueError(f"epochs must be 0 or more, not {epochs}")
         self.epochs = epochs
@@ -68,8 +77,6 @@ class Trainer:
         self._telemetry = telemetry
         self._telemetry_interval = telemetry_interval
         self.checkpoint = Path(checkpoint) if checkpoint else None
-        # Not `self.resume`: that name is the resume() method the UI calls after pause().
-        self.resume_from = Path(resume) if resume else None
 
         self._subscribers: list[Subscriber] = []
         self._lock = threading.Condition()
@@ -195,8 +202,12 @@ class Trainer:
         self._move_model(self._devices[0])
         optimizer = self.workload.make_optimizer(self.lr)
         run = self._run
-        if self.resume_from is not None:
-            run.restore(self.resume_from, model, optimizer)
+        if self._saved is not None:
+            run.restore(self._saved, model, optimizer)
+            if self._explicit_lr:
+                # The saved optimizer state brings its own lr; an explicit --lr wins.
+                for group in optimizer.param_groups:
+                    group["lr"] = self.lr
             self._move_optimizer_state(optimizer, self._devices[0])
         self._dp = DataParallel(model, self._devices)
         dataset = self.workload.dataset
@@ -362,8 +373,7 @@ class _RunState:
         torch.save(state, partial)
         os.replace(partial, path)  # never leave a half-written checkpoint behind
 
-    def restore(self, path: Path, model, optimizer) -> None:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+    def restore(self, state: dict, model, optimizer) -> None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         self.epoch = int(state["epoch"])
