@@ -23,6 +23,10 @@ from .scatter_gather import Split, gather, scatter_kwargs
 
 StepCallback = Callable[[StepRecord], None]
 
+# Per-step fields are plain attributes: set them past nn.Module.__setattr__, which is slow
+# and would end in object.__setattr__ for them anyway (none is a parameter, buffer or module).
+_set = object.__setattr__
+
 
 class DataParallel(nn.Module):
     """Drop-in for torch.nn.DataParallel that also runs on virtual CPU devices (`cpu:N`).
@@ -120,7 +124,7 @@ class DataParallel(nn.Module):
         scattered = time.perf_counter()
         devices = [self.devices[s] for s in slots]
 
-        self._step += 1
+        _set(self, "_step", self._step + 1)
         probes = (
             [ReplicaProbe(i, d, device_name(d), self.dim) for i, d in enumerate(devices)]
             if self.recording else None
@@ -157,19 +161,14 @@ class DataParallel(nn.Module):
         if self._pool is None:
             self._pool = WorkerPool(self.devices)
             weakref.finalize(self, self._pool.close)
-        jobs = [
-            (slot, partial(self._run_replica, i, replica, a, kw, probes, pending))
-            for i, (slot, replica, a, kw) in enumerate(zip(slots, replicas, args, kwargs_list))
-        ]
         state = ThreadState.capture()
-        streams = {
-            slot: torch.cuda.current_stream(self.devices[slot]) if self.devices[slot].type == "cuda" else None
-            for slot in slots
-        }
-        jobs = [
-            (slot, partial(run_in_state, state, self.devices[slot], streams[slot], job))
-            for slot, job in jobs
-        ]
+        run_replica = self._run_replica
+        jobs = []
+        for i, (slot, replica, a, kw) in enumerate(zip(slots, replicas, args, kwargs_list)):
+            device = self.devices[slot]
+            stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+            job = partial(run_replica, i, replica, a, kw, probes, pending)
+            jobs.append((slot, partial(run_in_state, state, device, stream, job)))
         results = self._pool.run(jobs)
         for index, result in enumerate(results):
             if isinstance(result, ExceptionWrapper):
@@ -197,7 +196,7 @@ class DataParallel(nn.Module):
     def _begin(self, pending: _PendingStep) -> None:
         expected = sum(1 for p in pending.probes if p.backward is not None)
         with self._record_lock:
-            self._pending = pending
+            _set(self, "_pending", pending)
         if expected == 0:
             self._finish(pending)
         else:
@@ -218,9 +217,9 @@ class DataParallel(nn.Module):
         with self._record_lock:
             if self._pending is not pending:
                 return
-            self._pending = None
+            _set(self, "_pending", None)
         record = pending.build(backward_done=pending.backward_done)
-        self._last_step = record
+        _set(self, "_last_step", record)
         for callback in list(self._subscribers):
             callback(record)
 

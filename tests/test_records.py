@@ -1,0 +1,353 @@
+"""Step records: what each replica did, when records are published, and explicit splits."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from dpengine import DataParallel, ReplicaRecord, StepRecord
+
+
+def cpus(count: int) -> list[str]:
+    return [f"cpu:{i}" for i in range(count)]
+
+
+def chunk_rows(rows: int, count: int) -> list[int]:
+    return [c.size(0) for c in torch.empty(rows, 1).chunk(count)]
+
+
+def largest_remainder(rows: int, weights: list[float]) -> list[int]:
+    """Rows in proportion to weights; leftover rows to the largest fractional parts, lower slot first."""
+    exact = [rows * w / sum(weights) for w in weights]
+    sizes = [math.floor(e) for e in exact]
+    order = sorted(range(len(weights)), key=lambda i: (sizes[i] - exact[i], i))
+    for i in order[: rows - sum(sizes)]:
+        sizes[i] += 1
+    return sizes
+
+
+def saved_bytes(fn, *args) -> int:
+    """Bytes autograd saves for backward while running fn(*args), each tensor once."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        key = (t.data_ptr(), t.numel())
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args)
+    return total
+
+
+# ----------------------------------------------------------------- the record
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_replica_records_describe_each_replica(make_dp, count: int) -> None:
+    module = nn.Linear(5, 2)
+    dp = make_dp(module, cpus(count))
+    x = torch.randn(10, 5)
+    out = dp(x)
+    step = dp.last_step
+    assert isinstance(step, StepRecord) and step.step == 1 and step.dim == 0
+    assert step.batch_size == 10
+    assert step.input_shapes == ((10, 5),) and step.output_shapes == ((10, 2),)
+    sizes = chunk_rows(10, count)
+    assert list(step.chunk_sizes) == sizes
+    assert list(step.devices) == cpus(count)[: len(sizes)]
+    for i, (r, rows) in enumerate(zip(step.replicas, sizes)):
+        assert isinstance(r, ReplicaRecord)
+        assert r.index == i and r.device == f"cpu:{i}" and r.chunk_size == rows
+        assert r.input_shapes == ((rows, 5),) and r.output_shapes == ((rows, 2),)
+        assert r.forward_ms > 0
+        # Linear with an input that needs no grad saves just its input chunk for backward.
+        assert r.memory_bytes == rows * module.in_features * x.element_size()
+        assert r.peak_memory_bytes is None  # CUDA only
+        assert r.backward_ms is None  # no backward yet
+    assert step.backward_ms is None
+    for name in ("scatter_ms", "replicate_ms", "apply_ms", "gather_ms", "total_ms"):
+        assert getattr(step, name) >= 0
+    assert step.total_ms > 0 and step.apply_ms > 0
+    parts = step.scatter_ms + step.replicate_ms + step.apply_ms + step.gather_ms
+    assert parts == pytest.approx(step.total_ms, rel=1e-6, abs=1e-6)
+    assert step.total_ms >= max(r.forward_ms for r in step.replicas)  # forwards run inside it
+
+    out.sum().backward()
+    done = dp.last_step
+    assert done.step == 1 and done.chunk_sizes == step.chunk_sizes
+    assert done.backward_ms is not None and done.backward_ms > 0
+    assert all(r.backward_ms is not None and r.backward_ms >= 0 for r in done.replicas)
+    assert done.backward_ms >= max(r.backward_ms for r in done.replicas) * 0.999
+
+
+def test_records_are_frozen() -> None:
+    record = ReplicaRecord(0, "cpu:0", 1, ((1,),), ((1,),), 1.0, 0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        record.chunk_size = 2  # type: ignore[misc]
+
+
+def test_memory_bytes_follow_what_autograd_saves(make_dp) -> None:
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3))
+    dp = make_dp(module, cpus(3))
+    x = torch.randn(10, 5, requires_grad=True)
+    dp(x)
+    for r, chunk in zip(dp.last_step.replicas, x.detach().chunk(3)):
+        expected = saved_bytes(module, chunk.clone().requires_grad_(True))
+        assert expected > chunk.numel() * chunk.element_size()  # more than the input alone
+        assert r.memory_bytes == expected
+    with torch.no_grad():
+        dp(x)
+    assert [r.memory_bytes for r in dp.last_step.replicas] == [0, 0, 0]
+
+
+def test_memory_bytes_of_a_linear_when_the_input_needs_grad(make_dp) -> None:
+    module = nn.Linear(5, 2)
+    dp = make_dp(module, cpus(3))
+    x = torch.randn(10, 5, requires_grad=True)
+    dp(x)
+    weight_bytes = module.weight.numel() * module.weight.element_size()
+    for r, rows in zip(dp.last_step.replicas, chunk_rows(10, 3)):
+        assert r.memory_bytes == rows * 5 * x.element_size() + weight_bytes
+
+
+def test_step_counts_forwards(make_dp) -> None:
+    dp = make_dp(nn.Linear(3, 1), cpus(2))
+    x = torch.randn(4, 3)
+    dp(x).sum().backward()
+    with torch.no_grad():
+        dp(x)
+    dp(x)  # never backpropagated
+    assert dp.last_step.step == 3
+    dp(x).sum().backward()
+    assert dp.last_step.step == 4 and dp.last_step.backward_ms is not None
+
+
+def test_step_without_backward_is_published_at_the_next_forward(make_dp) -> None:
+    dp = make_dp(nn.Linear(3, 1), cpus(2))
+    got: list[StepRecord] = []
+    dp.subscribe(got.append)
+    x = torch.randn(4, 3)
+    dp(x)  # the caller never runs its backward
+    assert got == []
+    dp(x).sum().backward()
+    assert [r.step for r in got] == [1, 2]
+    assert got[0].backward_ms is None and got[1].backward_ms is not None
+
+
+# ----------------------------------------------------------------- subscribe
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_subscribers_get_each_finished_record_once(make_dp, count: int) -> None:
+    dp = make_dp(nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1)), cpus(count))
+    got: list[StepRecord] = []
+    threads: list[str] = []
+
+    def callback(record: StepRecord) -> None:
+        got.append(record)
+        threads.append(threading.current_thread().name)
+
+    unsubscribe = dp.subscribe(callback)
+    x = torch.randn(6, 3)
+
+    out = dp(x)
+    assert got == []  # waits for the backward
+    out.sum().backward()
+    assert len(got) == 1 and got[0].step == 1 and got[0].backward_ms is not None
+    assert all(r.backward_ms is not None for r in got[0].replicas)
+    assert dp.last_step is got[0]
+    _ = dp.last_step  # reading it publishes nothing new
+    assert len(got) == 1
+
+    with torch.no_grad():
+        dp(x)
+    assert len(got) == 2 and got[1].step == 2 and got[1].backward_ms is None  # at once
+
+    dp(x).sum().backward()
+    assert [r.step for r in got] == [1, 2, 3]
+
+    unsubscribe()
+    dp(x).sum().backward()
+    with torch.no_grad():
+        dp(x)
+    assert [r.step for r in got] == [1, 2, 3]
+    assert dp.last_step.step == 5
+    unsubscribe()  # twice is harmless
+
+
+def test_several_subscribers(make_dp) -> None:
+    dp = make_dp(nn.Linear(3, 1), cpus(2))
+    a: list[int] = []
+    b: list[int] = []
+    dp.subscribe(lambda r: a.append(r.step))
+    stop_b = dp.subscribe(lambda r: b.append(r.step))
+    x = torch.randn(4, 3)
+    dp(x).sum().backward()
+    stop_b()
+    dp(x).sum().backward()
+    assert a == [1, 2] and b == [1]
+
+
+def test_recording_off_gives_no_record_and_correct_results(make_dp) -> None:
+    torch.manual_seed(1)
+    module = nn.Linear(4, 2)
+    reference = nn.Linear(4, 2)
+    reference.load_state_dict(module.state_dict())
+    dp = make_dp(module, cpus(3), record=False)
+    got: list[StepRecord] = []
+    dp.subscribe(got.append)
+    x = torch.randn(7, 4)
+    out = dp(x)
+    torch.testing.assert_close(out, reference(x))
+    out.sum().backward()
+    reference(x).sum().backward()
+    torch.testing.assert_close(module.weight.grad, reference.weight.grad)
+    assert dp.last_step is None and got == []
+    dp.recording = True  # it can be switched on later
+    dp(x).sum().backward()
+    assert len(got) == 1 and dp.last_step is got[0]
+
+
+# ----------------------------------------------------------------- explicit splits
+
+
+def test_explicit_chunk_sizes(make_dp) -> None:
+    module = nn.Linear(3, 2)
+    dp = make_dp(module, cpus(3), chunk_sizes=[20, 5, 5])
+    x = torch.randn(30, 3)
+    out = dp(x)
+    assert dp.last_step.chunk_sizes == (20, 5, 5)
+    assert dp.last_step.devices == ("cpu:0", "cpu:1", "cpu:2")
+    torch.testing.assert_close(out, module(x))
+
+
+def test_explicit_chunk_size_of_zero_idles_that_device(make_dp) -> None:
+    module = nn.Linear(3, 2)
+    dp = make_dp(module, cpus(3), chunk_sizes=[0, 10, 2])
+    x = torch.randn(12, 3)
+    torch.testing.assert_close(dp(x), module(x))
+    assert dp.last_step.devices == ("cpu:1", "cpu:2") and dp.last_step.chunk_sizes == (10, 2)
+
+
+@pytest.mark.parametrize(("rows", "weights"), [(30, [2, 1, 1]), (31, [1, 1, 1]), (11, [3, 2, 2, 1])])
+def test_weighted_balance(make_dp, rows: int, weights: list[float]) -> None:
+    module = nn.Linear(3, 2)
+    dp = make_dp(module, cpus(len(weights)), balance="weighted", weights=weights)
+    x = torch.randn(rows, 3)
+    out = dp(x)
+    sizes = list(dp.last_step.chunk_sizes)
+    assert sizes == largest_remainder(rows, weights)
+    assert sum(sizes) == rows
+    for size, w in zip(sizes, weights):
+        assert abs(size - rows * w / sum(weights)) < 1
+    torch.testing.assert_close(out, module(x))
+
+
+def test_weighted_30_over_2_1_1(make_dp) -> None:
+    dp = make_dp(nn.Linear(3, 2), cpus(3), balance="weighted", weights=[2, 1, 1])
+    dp(torch.randn(30, 3))
+    sizes = dp.last_step.chunk_sizes
+    assert sizes[0] == 15 and sorted(sizes[1:]) == [7, 8]
+
+
+def test_zero_weight_device_idles(make_dp) -> None:
+    class Where(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+            self.threads: set[str] = set()
+
+        def forward(self, x):
+            self.threads.add(threading.current_thread().name)
+            return self.lin(x)
+
+    module = Where()
+    dp = make_dp(module, cpus(3), balance="weighted", weights=[1, 0, 1])
+    x = torch.randn(10, 3)
+    out = dp(x)
+    torch.testing.assert_close(out, module.lin(x))
+    assert dp.last_step.devices == ("cpu:0", "cpu:2")
+    assert dp.last_step.chunk_sizes == (5, 5)
+    assert [r.index for r in dp.last_step.replicas] == [0, 1]
+    assert module.threads == {"dpengine-cpu:0", "dpengine-cpu:2"}
+    out.sum().backward()
+    assert dp.last_step.backward_ms is not None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "devices"),
+    [
+        (dict(balance="weighted", weights=[1, 0, 1]), ("cpu:0", "cpu:2")),
+        (dict(chunk_sizes=[0, 0, 0]), ("cpu:0", "cpu:1", "cpu:2")),
+        ({}, ("cpu:0", "cpu:1", "cpu:2")),
+    ],
+)
+def test_an_empty_batch_runs_with_every_split(make_dp, kwargs: dict, devices: tuple) -> None:
+    module = nn.Linear(3, 2)
+    dp = make_dp(module, cpus(3), **kwargs)
+    x = torch.randn(0, 3)
+    out = dp(x)
+    assert out.shape == (0, 2)
+    assert dp.last_step.devices == devices
+    assert dp.last_step.chunk_sizes == (0,) * len(devices)
+    out.sum().backward()
+    assert module.weight.grad is not None and not module.weight.grad.any()
+
+
+def test_set_split_changes_the_next_forward(make_dp) -> None:
+    dp = make_dp(nn.Linear(3, 2), cpus(2))
+    x = torch.randn(10, 3)
+    dp(x)
+    assert dp.last_step.chunk_sizes == (5, 5)
+    dp.set_split(chunk_sizes=[7, 3])
+    dp(x)
+    assert dp.last_step.chunk_sizes == (7, 3)
+    dp.set_split(balance="weighted", weights=[1, 4])
+    dp(x)
+    assert dp.last_step.chunk_sizes == (2, 8)
+    dp.set_split()
+    dp(x)
+    assert dp.last_step.chunk_sizes == (5, 5)
+
+
+def test_chunk_sizes_with_the_wrong_sum_raise(make_dp) -> None:
+    module = nn.Linear(3, 2)
+    dp = make_dp(module, cpus(3), chunk_sizes=[20, 5, 5])
+    with pytest.raises(ValueError, match="sum to 30.*29 rows"):
+        dp(torch.randn(29, 3))
+    x = torch.randn(30, 3)
+    torch.testing.assert_close(dp(x), module(x))  # still usable
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(chunk_sizes=[10, 10]), "one non-negative size per device"),
+        (dict(chunk_sizes=[10, 10, 5, 5]), "one non-negative size per device"),
+        (dict(chunk_sizes=[20, -5, 15]), "one non-negative size per device"),
+        (dict(balance="weighted", weights=[1, 1]), "one non-negative weight per device"),
+        (dict(balance="weighted", weights=[1, -1, 1]), "one non-negative weight per device"),
+        (dict(balance="weighted", weights=[0, 0, 0]), "not all zero"),
+        (dict(balance="weighted"), "needs weights"),
+        (dict(weights=[1, 1, 1]), "only with balance='weighted'"),
+        (dict(balance="fastest"), "balance must be"),
+        (dict(balance="weighted", weights=[1, 1, 1], chunk_sizes=[1, 1, 1]), "not both"),
+    ],
+)
+def test_bad_splits_raise(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        DataParallel(nn.Linear(3, 2), cpus(3), **kwargs)
+    dp = DataParallel(nn.Linear(3, 2), cpus(3))
+    with pytest.raises(ValueError, match=match):
+        dp.set_split(**kwargs)
