@@ -27,27 +27,15 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see dptui --help)")
 
 
-def _positive_int(name: str) -> Callable[[str], int]:
+def _int_at_least(name: str, minimum: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{name} must be a whole number, not {text!r}") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{name} must be at least 1, not {value}")
-        return value
-
-    return parse
-
-
-def _non_negative_int(name: str) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a whole number, not {text!r}") from None
-        if value < 0:
-            raise argparse.ArgumentTypeError(f"{name} must be 0 or more, not {value}")
+        if value < minimum:
+            wanted = "at least 1" if minimum == 1 else f"{minimum} or more"
+            raise argparse.ArgumentTypeError(f"{name} must be {wanted}, not {value}")
         return value
 
     return parse
@@ -80,9 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma list (cuda:0,cuda:1 | 0,1 | cpu:0,cpu:1,cpu:2) or auto: every visible GPU, "
         "else two virtual CPU devices (default: auto)",
     )
-    parser.add_argument("--batch-size", type=_positive_int("batch size"), metavar="N",
+    parser.add_argument("--batch-size", type=_int_at_least("batch size", 1), metavar="N",
                         help="global batch size (default: the workload's; 30 for seed)")
-    parser.add_argument("--epochs", type=_non_negative_int("epochs"), metavar="N",
+    parser.add_argument("--epochs", type=_int_at_least("epochs", 0), metavar="N",
                         help="epochs to train (default: 1 headless; until stopped in the UI)")
     parser.add_argument("--model", default="seed", metavar="T",
                         help="seed | mlp | cnn, or package.module:factory or path/file.py:factory")
@@ -90,13 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="package.module:factory or path/file.py:factory returning a dataset")
     parser.add_argument("--lr", type=_positive_float("learning rate"), metavar="F",
                         help="learning rate (default: the workload's)")
-    parser.add_argument("--seed", type=_non_negative_int("seed"), metavar="N",
+    parser.add_argument("--seed", type=_int_at_least("seed", 0), metavar="N",
                         help="make the run reproducible: same data, batch order, chunks and loss")
     parser.add_argument("--backend", default="dp", choices=["dp"],
                         help="dp: threads in this process (default)")
     parser.add_argument("--headless", action="store_true", help="no UI: print the run as text")
     parser.add_argument("--json", action="store_true", help="with --headless: JSON Lines events")
-    parser.add_argument("--every", type=_non_negative_int("--every"), default=1, metavar="N",
+    parser.add_argument("--every", type=_int_at_least("--every", 0), default=1, metavar="N",
                         help="headless text: print the per-step lines for every Nth step only (0: none)")
     parser.add_argument("--log", metavar="FILE", help="write the event stream as JSON Lines to FILE")
     parser.add_argument("--checkpoint", metavar="PATH",
