@@ -80,8 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="learning rate (default: the workload's)")
     parser.add_argument("--seed", type=_int_at_least("seed", 0), metavar="N",
                         help="make the run reproducible: same data, batch order, chunks and loss")
-    parser.add_argument("--backend", default="dp", choices=["dp"],
-                        help="dp: threads in this process (default)")
+    parser.add_argument("--backend", default="dp", choices=["dp", "ddp"],
+                        help="dp: threads in this process (default); ddp: DistributedDataParallel, "
+                        "one process per device (gloo on CPU, nccl on CUDA); across machines run "
+                        "python -m dpengine.distributed.worker under torchrun")
     parser.add_argument("--headless", action="store_true", help="no UI: print the run as text")
     parser.add_argument("--json", action="store_true", help="with --headless: JSON Lines events")
     parser.add_argument("--every", type=_int_at_least("--every", 0), default=1, metavar="N",
@@ -110,6 +112,10 @@ def check_args(argv: Sequence[str] | None) -> Settings:
     if args.json and not args.headless:
         raise UsageError("--json needs --headless (the UI draws the run instead)")
     devices, note = _parse_devices(args.devices)
+    if note and args.backend == "ddp":
+        from dpengine.distributed import torchrun_env
+
+        note = "" if torchrun_env() else "no CUDA device found: using 2 CPU rank processes (gloo)"
     if args.resume and not Path(args.resume).is_file():
         raise UsageError(f"--resume {args.resume}: no such checkpoint file")
     if args.log:
@@ -157,11 +163,8 @@ def make_trainer_factory(settings: Settings, headless: bool):
         _check_checkpoint_fits(args.resume, saved, workload, args.lr)
     epochs = args.epochs if args.epochs is not None else (1 if headless else None)
 
-    def factory() -> Trainer:
-        # A fresh workload each time: `r` in the UI restarts from fresh weights.
-        return Trainer(
-            load_workload(args.model, args.dataset, seed=seed),
-            settings.devices,
+    def factory():
+        common = dict(
             batch_size=args.batch_size,
             epochs=epochs,
             lr=args.lr,
@@ -170,6 +173,13 @@ def make_trainer_factory(settings: Settings, headless: bool):
             checkpoint=args.checkpoint,
             resume=args.resume,
         )
+        if args.backend == "ddp":
+            from dpengine.distributed import DdpTrainer, WorkloadSpec
+
+            # Each rank process rebuilds the workload from the same targets and seed.
+            return DdpTrainer(WorkloadSpec(args.model, args.dataset, seed), settings.devices, **common)
+        # A fresh workload each time: `r` in the UI restarts from fresh weights.
+        return Trainer(load_workload(args.model, args.dataset, seed=seed), settings.devices, **common)
 
     return factory
 

@@ -1,0 +1,130 @@
+"""The side channel between the host (the UI or headless printer) and the ranks.
+
+Spawned ranks (one machine): each rank has its own socket to the host, a
+`multiprocessing.connection.Connection` over a `socket.socketpair()` whose child end the
+rank inherits (no port, no listener, nothing for the OS to leave behind). Rank 0 sends
+the run's events over it and reads steering commands from it; every rank can report an
+error on it. A rank that dies closes its end, and the host sees EOF at once.
+
+Under torchrun the host lives in rank 0's process, so rank 0's channel is an in-process
+`multiprocessing.Pipe()`; the other ranks (maybe on other machines) report errors and
+receive each run's config through torch's TCPStore on MASTER_ADDR:MASTER_PORT
+(`StoreBoard`).
+
+Per-rank step records do not travel here: every rank sends its record to rank 0 with
+`torch.distributed.gather_object`, and rank 0 sends the assembled step to the host.
+
+Messages are tuples whose first item names them:
+
+  rank -> host:  ("event", Event, acked_seq)        an event to publish as is
+                 ("finished", RunFinished, acked_seq)
+                 ("restart", dict, acked_seq)        device change: state saved, ranks exit
+                 ("error", dict)                     see `error_report`
+  host -> rank:  ("config", RankConfig)              first message to every spawned rank
+                 ("pause",) ("resume",) ("stop",)    to rank 0
+                 ("batch", n, seq) ("devices", names, seq)
+                 ("published", step)                 step N's subscribers have run
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import time
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import Connection
+
+import torch.distributed as dist
+
+FD_ENV = "DPTUI_DDP_FD"  # the inherited socket of a spawned rank
+RANK_ENV = "DPTUI_DDP_RANK"
+PARENT_ENV = "DPTUI_DDP_PARENT"  # the host's pid: a rank whose host is gone exits
+
+
+def socket_channel() -> tuple[Connection, socket.socket]:
+    """(host end, child socket): pass the child socket's fd to the rank, then close it here."""
+    host, child = socket.socketpair()
+    return Connection(host.detach()), child
+
+
+def inherited_channel() -> Connection:
+    """A spawned rank's end of its channel, from the fd named in the environment."""
+    return Connection(int(os.environ[FD_ENV]))
+
+
+# Errors a rank raises because another rank went away, not because of its own work: the host
+# prefers any other report over these when it names the rank that failed.
+_COMM_WORDS = (
+    "connection closed by peer", "connection reset", "connection refused", "broken pipe",
+    "gloo", "nccl", "timed out",
+)
+
+
+def is_comm_error(error: BaseException) -> bool:
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(error, dist_error):
+        return True
+    text = str(error).lower()
+    return isinstance(error, (RuntimeError, OSError, ConnectionError)) and any(w in text for w in _COMM_WORDS)
+
+
+def error_report(error: BaseException, rank: int, device: str, phase: str) -> dict:
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    # torch's C++ errors end with the useful line; user errors usually have one line anyway.
+    message = lines[-1] if lines else ""
+    return {
+        "rank": rank,
+        "device": device,
+        "error_type": type(error).__name__,
+        "message": message,
+        "phase": phase,  # setup, step, save, ...
+        "comm": is_comm_error(error),
+        "traceback": "".join(traceback.format_exception(error)),
+        "time": time.time(),
+    }
+
+
+# -- torchrun --------------------------------------------------------------------------------
+
+
+class StoreBoard:
+    """dptui's keys on torchrun's TCPStore (MASTER_ADDR:MASTER_PORT), under dptui/<run id>/."""
+
+    def __init__(self, addr: str, port: int, run_id: str, timeout_s: float = 60.0) -> None:
+        self.timeout_s = timeout_s
+        self._base = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+        self.store = dist.PrefixStore(f"dptui/{run_id}/", self._base)
+
+    def set(self, key: str, value: object) -> None:
+        self.store.set(key, pickle.dumps(value))
+
+    def get(self, key: str) -> object:
+        return pickle.loads(self.store.get(key))
+
+    def has(self, key: str) -> bool:
+        return self.store.check([key])
+
+    def count(self, key: str, add: int = 0) -> int:
+        return int(self.store.add(key, add))
+
+    def prefix(self, name: str) -> dist.PrefixStore:
+        """A store for one run's process group: a new name per run, so runs never collide."""
+        return dist.PrefixStore(name + "/", self.store)
+
+    # Run n's keys: run/<n> (its RankConfig), run<n>/errors (a counter), run<n>/error/<rank>.
+
+    def report_error(self, run: int, report: dict) -> None:
+        self.set(f"run{run}/error/{report['rank']}", report)
+        self.count(f"run{run}/errors", 1)
+
+    def errors(self, run: int, world_size: int) -> dict[int, dict]:
+        if self.count(f"run{run}/errors") == 0:
+            return {}
+        found = {}
+        for rank in range(world_size):
+            key = f"run{run}/error/{rank}"
+            if self.has(key):
+                found[rank] = self.get(key)
+        return found

@@ -1,0 +1,484 @@
+"""DdpTrainer: the threaded Trainer's API and events, with one process per device.
+
+`run()` runs in the caller's thread, on the host side of the run: it starts the ranks
+(`SpawnedGroup` on one machine; under torchrun rank 0's loop runs in a thread of this
+process), publishes what rank 0 sends (steps with one `ReplicaRecord` per rank, epochs,
+telemetry, state and config changes), and forwards steering to rank 0, which applies it at
+the next step boundary in every rank. A device change ends the ranks at a boundary, after
+rank 0 saved the model, the optimizer and the run's counters; the next generation of ranks,
+one per new device, loads them and goes on in the same epoch at the same position.
+
+A rank that raises reports its error and exits; a rank that dies closes its channel. Either
+way the host ends every other rank at once (SIGTERM to each rank's process group, SIGKILL
+after three seconds) and publishes RunFailed naming the rank and its device. An error that
+only says a peer went away (gloo's "Connection closed by peer") never hides the rank that
+really failed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..devices import DeviceLike, available_devices, device_name, resolve_devices
+from ..events import (
+    ConfigChanged,
+    Event,
+    RunConfig,
+    RunFailed,
+    RunFinished,
+    RunStarted,
+    StepFinished,
+    TelemetrySampled,
+)
+from ..telemetry import TelemetryPoller, TelemetrySource
+from ..trainer import _check_batch_size, _failure
+from .config import RankConfig, WorkloadSpec
+from .launcher import SpawnedGroup, TorchrunGroup, describe_exit, threads_per_rank
+from .torchrun import torchrun_env, torchrun_session
+
+Subscriber = Callable[[Event], None]
+
+_POLL_S = 0.1
+FAILURE_GRACE_S = 2.0  # after a "peer went away" error, how long to wait for the real culprit
+
+
+class DdpTrainer:
+    """Same API as `dpengine.trainer.Trainer`, on DistributedDataParallel: one process per device.
+
+    `workload` is a `WorkloadSpec` (model target, dataset target, seed), since each rank builds
+    its own copy. `timeout` is the process-group timeout in seconds: the longest one rank may
+    wait for another inside a collective. `startup_timeout` bounds the ranks' start (imports,
+    rendezvous, building the workload).
+    """
+
+    def __init__(
+        self,
+        workload: WorkloadSpec,
+        devices: Sequence[DeviceLike] = ("cpu:0", "cpu:1"),
+        *,
+        batch_size: int | None = None,
+        epochs: int | None = 1,
+        lr: float | None = None,
+        seed: int | None = None,
+        telemetry: TelemetrySource | None = None,
+        telemetry_interval: float | None = 1.0,
+        available: Sequence[DeviceLike] | None = None,
+        checkpoint: str | os.PathLike | None = None,
+        resume: str | os.PathLike | None = None,
+        timeout: float = 30.0,
+        startup_timeout: float = 120.0,
+    ) -> None:
+        if not isinstance(workload, WorkloadSpec):
+            raise TypeError(
+                f"DdpTrainer needs a WorkloadSpec (model target, dataset target, seed) that every rank "
+                f"can rebuild, not {type(workload).__name__}"
+            )
+        self.spec = workload
+        built = workload.build()  # here for its name, size and defaults; ranks build their own
+        self._workload_name = built.name
+        self._samples = len(built.dataset)
+        # Not `self.resume`: that name is the resume() method the UI calls after pause().
+        self.resume_from = Path(resume) if resume else None
+        if batch_size is None and self.resume_from is not None:
+            # Resuming goes on at the batch size the run had, unless told otherwise (as Trainer).
+            saved = torch.load(self.resume_from, map_location="cpu", weights_only=True)
+            batch_size = saved.get("batch_size")
+            del saved
+        self._batch_size = _check_batch_size(batch_size if batch_size is not None else built.batch_size)
+        self._explicit_lr = lr is not None
+        if epochs is not None and epochs < 0:
+            raise ValueError(f"epochs must be 0 or more, not {epochs}")
+        self.epochs = epochs
+        self.lr = built.lr if lr is None else lr
+        self.seed = seed if seed is not None else int.from_bytes(os.urandom(4), "little")
+        del built
+        self._telemetry = telemetry
+        self._telemetry_interval = telemetry_interval
+        self.checkpoint = Path(checkpoint) if checkpoint else None
+        self.timeout = float(timeout)
+        self.startup_timeout = float(startup_timeout)
+
+        self._torchrun = torchrun_env()
+        if self._torchrun is not None:
+            if self._torchrun.rank != 0:
+                raise RuntimeError(
+                    "under torchrun DdpTrainer runs on rank 0 only; the other ranks run "
+                    "`python -m dpengine.distributed.worker`"
+                )
+            kind = "cuda" if torch.cuda.is_available() else "cpu"
+            self._devices = tuple(f"{kind}:{r}" for r in range(self._torchrun.world_size))
+            self._available = self._devices
+        else:
+            resolved = resolve_devices(devices)
+            self._devices = tuple(device_name(d) for d in resolved)
+            chosen = resolve_devices(available) if available else available_devices(resolved)
+            self._available = tuple(device_name(d) for d in chosen)
+        self.backend = "nccl" if self._devices[0].startswith("cuda") else "gloo"
+
+        self._subscribers: list[Subscriber] = []
+        self._lock = threading.Lock()
+        self._paused = False
+        self._stop = False
+        self._seq = 0  # numbers batch/device requests; rank 0 acknowledges the newest it applied
+        self._acked = 0
+        self._wanted_batch: tuple[int, int] | None = None  # (batch, seq)
+        self._wanted_devices: tuple[tuple[str, ...], int] | None = None
+        self._rank0: Connection | None = None
+        self._group: SpawnedGroup | TorchrunGroup | None = None
+        self._store: dist.TCPStore | None = None
+
+    # -- steering, from any thread ---------------------------------------------------
+
+    def subscribe(self, callback: Subscriber) -> Callable[[], None]:
+        """Receive every event; runs on the thread that called run(): keep it cheap."""
+        self._subscribers.append(callback)
+        return lambda: self._subscribers.remove(callback) if callback in self._subscribers else None
+
+    def pause(self) -> None:
+        with self._lock:
+            self._paused = True
+            self._tell(("pause",))
+
+    def resume(self) -> None:
+        with self._lock:
+            self._paused = False
+            self._tell(("resume",))
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stop = True
+            self._tell(("stop",))
+
+    def set_batch_size(self, batch_size: int) -> None:
+        batch_size = _check_batch_size(batch_size)
+        with self._lock:
+            self._seq += 1
+            self._wanted_batch = (batch_size, self._seq)
+            self._tell(("batch", batch_size, self._seq))
+
+    def set_devices(self, devices: Sequence[DeviceLike]) -> None:
+        if self._torchrun is not None:
+            raise ValueError(
+                "under torchrun the ranks are torchrun's: restart torchrun with other "
+                "--nproc-per-node / --nnodes to change the devices"
+            )
+        resolved = tuple(device_name(d) for d in resolve_devices(devices))
+        unknown = [d for d in resolved if d not in self._available]
+        if unknown:
+            raise ValueError(
+                f"device {unknown[0]} is not available to this run (available: {', '.join(self._available)})"
+            )
+        with self._lock:
+            self._seq += 1
+            self._wanted_devices = (resolved, self._seq)
+            self._tell(("devices", resolved, self._seq))
+
+    def _tell(self, command: tuple) -> None:
+        """Send a command to rank 0 (call with the lock held); kept for the next generation if none."""
+        if self._rank0 is None:
+            return
+        try:
+            self._rank0.send(command)
+        except OSError:
+            pass  # rank 0 is gone; the run loop reports why
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch_size
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        return self._devices
+
+    @property
+    def available_devices(self) -> tuple[str, ...]:
+        return self._available
+
+    @property
+    def has_pending_change(self) -> bool:
+        with self._lock:
+            wanted = (self._wanted_batch, self._wanted_devices)
+            return any(w is not None and w[1] > self._acked for w in wanted)
+
+    def worker_thread_ids(self) -> dict[str, int]:
+        return {}  # ranks are processes: see rank_pids()
+
+    def rank_pids(self) -> dict[str, int]:
+        """device -> pid of the rank process running it now (empty between generations)."""
+        group = self._group
+        if group is None:
+            return {}
+        devices = group.config.devices
+        return {devices[rank]: pid for rank, pid in group.pids().items()}
+
+    # -- the run ------------------------------------------------------------------------
+
+    def config(self) -> RunConfig:
+        return RunConfig(
+            workload=self._workload_name,
+            backend="ddp",
+            devices=self.devices,
+            available_devices=self.available_devices,
+            batch_size=self._batch_size,
+            epochs=self.epochs,
+            lr=self.lr,
+            seed=self.seed,
+            samples=self._samples,
+            device_names=tuple(self._label(d) for d in self._available),
+        )
+
+    def _label(self, device: str) -> str:
+        if device.startswith("cuda") and self._torchrun is None:
+            return torch.cuda.get_device_name(int(device.split(":")[1]))
+        return "rank process" if self._torchrun is None else "torchrun rank"
+
+    def run(self) -> RunFinished | RunFailed:
+        """Train until the epochs are done or stop() is called; never raises for training errors.
+
+        Returns only when every rank process has ended.
+        """
+        started = time.perf_counter()
+        poller = None
+        state_dir = Path(tempfile.mkdtemp(prefix="dptui-ddp-"))
+        try:
+            self._publish(RunStarted(self.config()))
+            if self._torchrun is None:
+                # The ranks' rendezvous: served from here, on a port the OS picked, for the whole
+                # run (each generation of ranks uses its own prefix).
+                self._store = dist.TCPStore(
+                    "127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                    timeout=timedelta(seconds=self.startup_timeout),
+                )
+            poller = self._start_host_telemetry()
+            result = self._supervise(started, state_dir)
+        except Exception as error:  # noqa: BLE001 - reported as an event, the caller stays up
+            result = _failure(error)
+        finally:
+            self._end_group()
+            self._store = None
+            if poller is not None:
+                poller.stop()
+            shutil.rmtree(state_dir, ignore_errors=True)
+        self._publish(result)
+        return result
+
+    def _start_host_telemetry(self) -> TelemetryPoller | None:
+        # Without a source of its own, each rank samples itself and rank 0 sends the samples.
+        if self._telemetry is None or self._telemetry_interval is None:
+            return None
+        poller = TelemetryPoller(
+            self._telemetry, lambda samples: self._publish(TelemetrySampled(samples)), self._telemetry_interval
+        )
+        poller.start()
+        return poller
+
+    def _supervise(self, started: float, state_dir: Path) -> RunFinished | RunFailed:
+        state: str | None = None
+        generation = 0
+        while True:
+            group = self._launch(started, state_dir, generation, state)
+            kind, payload = self._pump(group)
+            if kind != "restart":
+                if kind == "finished":
+                    group.wait_all(10.0)  # they are on their way out; _end_group reaps the rest
+                return payload
+            # A device change: this generation saved its state and is exiting.
+            group.wait_all(10.0)
+            self._end_group()
+            self._devices = tuple(payload["devices"])
+            self._batch_size = int(payload["batch_size"])
+            self._publish(ConfigChanged(self._batch_size, self._devices, int(payload["step"]) + 1))
+            state = payload["state"]
+            generation += 1
+
+    def _launch(self, started: float, state_dir: Path, generation: int, state: str | None):
+        world = len(self._devices)
+        local_world = self._torchrun.local_world_size if self._torchrun is not None else world
+        with self._lock:
+            pending = [
+                (kind, wanted[0], wanted[1])
+                for kind, wanted in (("batch", self._wanted_batch), ("devices", self._wanted_devices))
+                if wanted is not None and wanted[1] > self._acked
+            ]
+            config = RankConfig(
+                spec=self.spec,
+                devices=self._devices,
+                backend=self.backend,
+                batch_size=self._batch_size,
+                epochs=self.epochs,
+                lr=self.lr,
+                seed=self.seed,
+                telemetry_interval=None if self._telemetry is not None else self._telemetry_interval,
+                timeout_s=self.timeout,
+                startup_timeout_s=self.startup_timeout,
+                threads=threads_per_rank(local_world),
+                started=started,
+                checkpoint=str(self.checkpoint) if self.checkpoint else None,
+                resume=str(self.resume_from) if self.resume_from and generation == 0 else None,
+                explicit_lr=self._explicit_lr,
+                state=state,
+                state_dir=str(state_dir),
+                generation=generation,
+                paused=self._paused,
+                stop=self._stop,
+                commands=tuple(sorted(pending, key=lambda c: c[2])),
+                store=None if self._torchrun is not None else ("127.0.0.1", self._store.port),
+                store_prefix=f"gen{generation}/",
+                torchrun=self._torchrun is not None,
+            )
+            if self._torchrun is not None:
+                group = self._torchrun_group(config)
+            else:
+                group = SpawnedGroup(config, state_dir)
+            self._group = group
+            self._rank0 = group.conns[0]
+        return group
+
+    def _torchrun_group(self, config: RankConfig) -> TorchrunGroup:
+        from .channel import StoreBoard
+        from .ddp_trainer import RankLoop
+
+        session = torchrun_session()
+        run = session.next_run()
+        env = session.env
+
+        def rank0(config: RankConfig, conn: Connection) -> int:
+            board = StoreBoard(env.master_addr, env.master_port, env.run_id)  # its own client
+            return RankLoop(config, 0, conn, lambda error: conn.send(("error", error)),
+                            store=board.prefix(f"run{run}/pg"), local_rank=env.local_rank).run()
+
+        return TorchrunGroup(config, session.board, run, rank0)
+
+    def _end_group(self) -> None:
+        with self._lock:
+            group, self._group, self._rank0 = self._group, None, None
+        if group is not None:
+            group.terminate()
+
+    def _pump(self, group) -> tuple[str, object]:
+        """Publish what the ranks send until the generation finishes, restarts or fails."""
+        open_conns = dict(group.conns)
+        rank_of = {id(conn): rank for rank, conn in open_conns.items()}
+        reports: dict[int, dict] = {}
+        deaths: dict[int, str] = {}
+        first_failure: float | None = None
+        heard = False
+        # Later than the ranks' own start-up timeout, so that they can say who is missing first.
+        deadline = time.monotonic() + self.startup_timeout + 10.0
+        while True:
+            ready = wait(list(open_conns.values()), _POLL_S) if open_conns else []
+            if not open_conns:
+                time.sleep(_POLL_S)
+            outcome = None
+            for conn in ready:
+                rank = rank_of[id(conn)]
+                try:
+                    message = conn.recv()
+                except (EOFError, OSError):
+                    del open_conns[rank]
+                    if rank not in reports:
+                        code = group.exit_code(rank, wait=2.0)
+                        if code != 0:
+                            deaths[rank] = describe_exit(code)
+                            first_failure = first_failure or time.monotonic()
+                    continue
+                kind = message[0]
+                if kind == "error":
+                    reports.setdefault(rank, message[1])
+                    first_failure = first_failure or time.monotonic()
+                    continue
+                heard = True
+                with self._lock:
+                    self._acked = max(self._acked, message[2])
+                if kind == "event":
+                    self._on_rank_event(message[1])
+                elif kind == "ready":
+                    pass  # rank 0 is set up: the start-up deadline no longer applies
+                elif kind in ("finished", "restart"):
+                    outcome = (kind, message[1])
+            for rank, report in group.errors().items():
+                if rank not in reports:
+                    reports[rank] = report
+                    first_failure = first_failure or time.monotonic()
+            if first_failure is not None:
+                real = any(not r["comm"] for r in reports.values()) or deaths
+                if real or time.monotonic() - first_failure > FAILURE_GRACE_S:
+                    return "failed", self._failed(group, reports, deaths)
+            elif outcome is not None:
+                return outcome
+            elif not heard and time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"the ranks did not start within {self.startup_timeout:g} s (rank 0 never got "
+                    f"its process group and workload ready)"
+                )
+
+    def _on_rank_event(self, event: Event) -> None:
+        if isinstance(event, ConfigChanged):
+            self._batch_size = event.batch_size
+            self._devices = tuple(event.devices)
+        self._publish(event)
+        if isinstance(event, StepFinished):
+            with self._lock:
+                # After whatever the subscribers asked for: rank 0 applies that before step N+1.
+                self._tell(("published", event.step))
+
+    def _failed(self, group, reports: dict[int, dict], deaths: dict[int, str]) -> RunFailed:
+        group.terminate()  # first stop the others, then say why
+        devices = group.config.devices
+        real = sorted((r for r in reports.values() if not r["comm"]), key=lambda r: r["time"])
+        silent = [r for r in range(len(devices)) if r not in reports and r not in deaths]
+        if not real and not deaths and silent:
+            # Only "peer went away / timed out" errors: the rank that said nothing kept them waiting.
+            rank = silent[0]
+            first = min(reports.values(), key=lambda r: r["time"])
+            return RunFailed(
+                error=f"rank {rank} on {devices[rank]} stopped responding: rank {first['rank']} gave up "
+                f"waiting for it ({first['error_type']}: {first['message']})",
+                error_type="RankTimeout",
+                replica=rank,
+                device=devices[rank],
+                traceback=first["traceback"],
+            )
+        if real or not deaths:
+            report = real[0] if real else min(reports.values(), key=lambda r: r["time"])
+            rank = report["rank"]
+            cause = f"{report['error_type']}: {report['message']}" if report["message"] else report["error_type"]
+            return RunFailed(
+                error=f"rank {rank} on {devices[rank]} failed: {cause}",
+                error_type=report["error_type"],
+                replica=rank,
+                device=devices[rank],
+                traceback=report["traceback"],
+            )
+        rank = min(deaths)
+        tail = group.log_tail(rank)
+        return RunFailed(
+            error=f"rank {rank} on {devices[rank]} {deaths[rank]}",
+            error_type="RankExited",
+            replica=rank,
+            device=devices[rank],
+            traceback=f"rank {rank}'s output ended with:\n{tail}" if tail else "",
+        )
+
+    def _publish(self, event: Event) -> None:
+        for callback in list(self._subscribers):
+            callback(event)

@@ -1,0 +1,357 @@
+"""The DDP backend (dpengine.distributed) against the threaded Trainer, on gloo CPU ranks.
+
+Each DDP run starts real rank processes (about 2-5 s on two cores), so runs are shared
+through module-scoped fixtures where the tests only read them.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from dpengine.distributed import DdpTrainer, WorkloadSpec
+from dpengine.distributed.channel import is_comm_error
+from dpengine.distributed.torchrun import torchrun_env
+from dpengine.events import (
+    ConfigChanged,
+    RunFailed,
+    RunFinished,
+    StateChanged,
+    StepFinished,
+)
+from dpengine.runlog import JsonLinesWriter
+from dpengine.trainer import Trainer
+from dpengine.workloads import load_workload
+
+FIXTURES = Path(__file__).parent / "fixtures"
+DDP_WORKLOADS = FIXTURES / "ddp_workloads.py"
+SEED = 7
+TOLERANCE = 1e-5
+
+
+def _children() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def _ddp(model: str = "seed", devices=("cpu:0", "cpu:1"), **kwargs) -> DdpTrainer:
+    kwargs.setdefault("seed", SEED)
+    kwargs.setdefault("telemetry_interval", None)
+    return DdpTrainer(WorkloadSpec(model, seed=kwargs["seed"]), list(devices), **kwargs)
+
+
+def _threaded(devices, epochs: int, setup=None, **kwargs) -> tuple[RunFinished | RunFailed, list]:
+    """The threaded backend on the same workload and seed; `setup(trainer)` may subscribe steering."""
+    trainer = Trainer(load_workload("seed", seed=SEED), list(devices), seed=SEED, epochs=epochs,
+                      telemetry_interval=None, **kwargs)
+    events: list = []
+    trainer.subscribe(events.append)
+    if setup is not None:
+        setup(trainer)
+    return trainer.run(), events
+
+
+def _steps(events) -> list[StepFinished]:
+    return [e for e in events if isinstance(e, StepFinished)]
+
+
+def _chunks(events) -> list[tuple[tuple[str, int], ...]]:
+    """Per step: (device, chunk rows) of each replica/rank that got a chunk, in order."""
+    return [tuple((r.device, r.chunk_size) for r in e.record.replicas) for e in _steps(events)]
+
+
+def _model_lines(events) -> list[tuple]:
+    """What the headless printer's `In Model` lines show: device, input and output shapes."""
+    return [tuple((r.device, r.input_shapes, r.output_shapes) for r in e.record.replicas) for e in _steps(events)]
+
+
+# -- equal to the threaded backend --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory):
+    """One DDP run per world size, with its events, its headless JSON Lines and its checkpoint."""
+    runs = {}
+    for world in (2, 3):
+        devices = [f"cpu:{i}" for i in range(world)]
+        before = _children()
+        checkpoint = tmp_path_factory.mktemp("ddp") / "final.pt"
+        trainer = _ddp(devices=devices, epochs=2, telemetry_interval=0.2, checkpoint=checkpoint)
+        events: list = []
+        out = io.StringIO()
+        trainer.subscribe(events.append)
+        trainer.subscribe(JsonLinesWriter(out))
+        result = trainer.run()
+        runs[world] = dict(devices=devices, result=result, events=events, json=out.getvalue(),
+                           left=_children() - before, checkpoint=checkpoint)
+    return runs
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_chunks_loss_and_weights_match_the_threaded_backend(ddp_runs, world, tmp_path):
+    run = ddp_runs[world]
+    assert isinstance(run["result"], RunFinished), run["result"]
+    threaded_checkpoint = tmp_path / "threaded.pt"
+    expected, threaded_events = _threaded(run["devices"], epochs=2, checkpoint=threaded_checkpoint)
+    assert _chunks(run["events"]) == _chunks(threaded_events)
+    assert _model_lines(run["events"]) == _model_lines(threaded_events)
+    ddp_steps, dp_steps = _steps(run["events"]), _steps(threaded_events)
+    assert [s.input_shape for s in ddp_steps] == [s.input_shape for s in dp_steps]
+    assert [s.output_shape for s in ddp_steps] == [s.output_shape for s in dp_steps]
+    for ours, theirs in zip(ddp_steps, dp_steps):
+        assert ours.loss == pytest.approx(theirs.loss, abs=TOLERANCE)
+    assert run["result"].final_loss == pytest.approx(expected.final_loss, abs=TOLERANCE)
+    assert (run["result"].steps, run["result"].samples, run["result"].epochs) == (8, 200, 2)
+    assert run["left"] == set()
+    ours = torch.load(run["checkpoint"], weights_only=True)
+    theirs = torch.load(threaded_checkpoint, weights_only=True)
+    assert ours.keys() == theirs.keys()
+    assert ours["model"].keys() == theirs["model"].keys()
+    for name, weight in theirs["model"].items():
+        torch.testing.assert_close(ours["model"][name], weight, atol=TOLERANCE, rtol=1e-5)
+    assert (ours["epoch"], ours["position"], ours["step"], ours["seed"]) == (2, 0, 8, SEED)
+
+
+def test_headless_json_has_per_rank_records(ddp_runs):
+    run = ddp_runs[3]
+    lines = [json.loads(line) for line in run["json"].splitlines()]
+    started = lines[0]
+    assert started["type"] == "run_started" and started["config"]["backend"] == "ddp"
+    assert started["config"]["devices"] == ["cpu:0", "cpu:1", "cpu:2"]
+    steps = [line for line in lines if line["type"] == "step"]
+    assert len(steps) == 8
+    for step in steps:
+        replicas = step["replicas"]
+        assert [r["device"] for r in replicas] == ["cpu:0", "cpu:1", "cpu:2"]
+        assert [r["index"] for r in replicas] == [0, 1, 2]
+        assert sum(r["chunk_size"] for r in replicas) == step["batch_size"]
+        for replica in replicas:
+            assert replica["forward_ms"] >= 0 and replica["backward_ms"] is not None
+            assert replica["memory_bytes"] > 0
+            assert replica["input_shapes"][0][0] == replica["chunk_size"]
+        assert step["engine"]["batch_size"] == step["batch_size"]
+    telemetry = [line for line in lines if line["type"] == "telemetry"]
+    assert telemetry, "each rank samples itself on the first step"
+    assert [s["device"] for s in telemetry[0]["samples"]] == ["cpu:0", "cpu:1", "cpu:2"]
+    assert all(s["memory_used_bytes"] > 0 for s in telemetry[0]["samples"])
+    assert lines[-1]["type"] == "run_finished"
+
+
+# -- failures -------------------------------------------------------------------------------------
+
+
+def test_a_rank_that_raises_fails_the_run_naming_it():
+    before = _children()
+    trainer = _ddp(f"{DDP_WORKLOADS}:raises_on_rank_2", devices=("cpu:0", "cpu:1", "cpu:2"), epochs=2)
+    events: list = []
+    trainer.subscribe(events.append)
+    started = time.monotonic()
+    result = trainer.run()
+    assert time.monotonic() - started < 30
+    assert isinstance(result, RunFailed)
+    assert (result.replica, result.device, result.error_type) == (2, "cpu:2", "ValueError")
+    assert result.error.startswith("rank 2 on cpu:2 failed: ValueError: boom on rank 2")
+    assert "raise ValueError" in result.traceback  # the rank's own traceback
+    assert events[-1] == result and not any(isinstance(e, RunFinished) for e in events)
+    assert len(_steps(events)) == 1  # the second forward on rank 2 raised
+    assert _children() - before == set()
+
+
+def test_a_rank_that_dies_fails_the_run_naming_it():
+    before = _children()
+    trainer = _ddp(f"{DDP_WORKLOADS}:dies_on_rank_1", devices=("cpu:0", "cpu:1", "cpu:2"), epochs=1)
+    result = trainer.run()
+    assert isinstance(result, RunFailed)
+    assert (result.replica, result.device) == (1, "cpu:1")
+    assert result.error == "rank 1 on cpu:1 was killed by SIGKILL"
+    assert _children() - before == set()
+
+
+def test_a_rank_that_hangs_is_named_once_the_others_time_out():
+    before = _children()
+    trainer = _ddp(f"{DDP_WORKLOADS}:hangs_on_rank_1", devices=("cpu:0", "cpu:1", "cpu:2"), epochs=1, timeout=2)
+    result = trainer.run()
+    assert isinstance(result, RunFailed)
+    assert (result.replica, result.device, result.error_type) == (1, "cpu:1", "RankTimeout")
+    assert result.error.startswith("rank 1 on cpu:1 stopped responding: rank ")
+    assert _children() - before == set()
+
+
+# -- steering -------------------------------------------------------------------------------------
+
+
+def _pause_then_grow(trainer, seen: list) -> None:
+    """Steer as a user would: pause after step 2, ask for batch 4 on three devices, resume.
+
+    With batch 4 on three devices rank/replica 2 gets no chunk (torch.chunk cuts 4 into 2 + 2).
+    """
+
+    def steer(event) -> None:
+        if isinstance(event, StepFinished) and event.step == 2:
+            trainer.pause()
+        elif isinstance(event, StateChanged) and event.state == "paused":
+            trainer.set_batch_size(4)
+            trainer.set_devices(["cpu:0", "cpu:1", "cpu:2"])
+            seen.append(trainer.has_pending_change)
+            trainer.resume()
+
+    trainer.subscribe(steer)
+
+
+def test_batch_and_device_changes_match_the_threaded_backend():
+    trainer = _ddp(devices=("cpu:0", "cpu:1"), epochs=2)
+    events: list = []
+    pending_seen: list = []
+    trainer.subscribe(events.append)
+    _pause_then_grow(trainer, pending_seen)
+    before = _children()
+    result = trainer.run()
+    assert isinstance(result, RunFinished), result
+    assert pending_seen == [True] and not trainer.has_pending_change
+    assert trainer.devices == ("cpu:0", "cpu:1", "cpu:2") and trainer.batch_size == 4
+    changes = [(c.batch_size, c.devices, c.step) for c in events if isinstance(c, ConfigChanged)]
+    # Asked for while step 2 was published: applied at step 3, as the threaded Trainer does.
+    assert changes == [(4, ("cpu:0", "cpu:1", "cpu:2"), 3)]
+    assert [e.state for e in events if isinstance(e, StateChanged)] == ["paused", "running"]
+    assert _children() - before == set()
+
+    expected, threaded_events = _threaded(("cpu:0", "cpu:1"), epochs=2,
+                                          setup=lambda threaded: _pause_then_grow(threaded, []))
+    threaded_changes = [(c.batch_size, c.devices, c.step) for c in threaded_events if isinstance(c, ConfigChanged)]
+    assert threaded_changes == changes
+    assert _chunks(events) == _chunks(threaded_events)
+    assert {("cpu:2", 2), ("cpu:2", 0)}.isdisjoint({r for step in _chunks(events) for r in step})
+    for ours, theirs in zip(_steps(events), _steps(threaded_events), strict=True):
+        assert ours.loss == pytest.approx(theirs.loss, abs=TOLERANCE)
+    assert result.final_loss == pytest.approx(expected.final_loss, abs=TOLERANCE)
+
+
+def test_a_slow_subscriber_and_a_long_pause_outlast_the_timeout(tmp_path):
+    """Longer than the collectives' timeout: rank 0's heartbeat keeps the ranks waiting, unharmed.
+
+    Then a stop while paused ends the run at that boundary, and rank 0 saves the checkpoint.
+    """
+    checkpoint = tmp_path / "run.pt"
+    trainer = _ddp(devices=("cpu:0", "cpu:1"), epochs=None, checkpoint=checkpoint, timeout=2)
+    events: list = []
+    trainer.subscribe(events.append)
+
+    def stop_at_step_3(event):
+        if isinstance(event, StepFinished) and event.step == 1:
+            time.sleep(2.5)  # a subscriber that holds up the host (a blocked stdout, say)
+        if isinstance(event, StepFinished) and event.step == 3:
+            trainer.pause()
+        elif isinstance(event, StateChanged) and event.state == "paused":
+            threading.Timer(2.5, trainer.stop).start()
+
+    trainer.subscribe(stop_at_step_3)
+    result = trainer.run()
+    assert isinstance(result, RunFinished) and result.stopped
+    assert trainer.stopping
+    assert [e.state for e in events if isinstance(e, StateChanged)] == ["paused"]
+    assert result.steps == 3  # paused (then stopped) at the boundary after the step that asked
+    state = torch.load(checkpoint, weights_only=True)
+    assert state["step"] == 3 and state["seed"] == SEED
+    assert set(state) >= {"model", "optimizer", "epoch", "position", "batch_size"}
+
+
+def test_resumes_a_threaded_checkpoint_mid_epoch(tmp_path):
+    checkpoint = tmp_path / "threaded.pt"
+
+    def stop_after_step_2(threaded: Trainer) -> None:
+        threaded.subscribe(lambda e: threaded.stop() if isinstance(e, StepFinished) and e.step == 2 else None)
+
+    stopped, _ = _threaded(("cpu:0", "cpu:1"), epochs=2, setup=stop_after_step_2, checkpoint=checkpoint)
+    assert stopped.stopped and stopped.steps == 2
+    devices = ("cpu:0", "cpu:1", "cpu:2")
+    expected, threaded_events = _threaded(devices, epochs=2, resume=checkpoint)
+    trainer = _ddp(devices=devices, epochs=2, resume=checkpoint)
+    events: list = []
+    trainer.subscribe(events.append)
+    result = trainer.run()
+    assert isinstance(result, RunFinished), result
+    assert [s.step for s in _steps(events)] == [s.step for s in _steps(threaded_events)] == list(range(3, 9))
+    assert _chunks(events) == _chunks(threaded_events)
+    assert result.final_loss == pytest.approx(expected.final_loss, abs=TOLERANCE)
+
+
+def test_set_devices_checks_what_is_available():
+    trainer = _ddp(devices=("cpu:0", "cpu:1"), available=["cpu:0", "cpu:1", "cpu:2"])
+    with pytest.raises(ValueError, match="cpu:5 is not available"):
+        trainer.set_devices(["cpu:0", "cpu:5"])
+    with pytest.raises(ValueError):
+        trainer.set_batch_size(0)
+    config = trainer.config()
+    assert config.backend == "ddp" and config.devices == ("cpu:0", "cpu:1")
+    assert config.available_devices == ("cpu:0", "cpu:1", "cpu:2")
+    with pytest.raises(TypeError, match="WorkloadSpec"):
+        DdpTrainer(load_workload("seed"), ["cpu:0"])
+
+
+def test_comm_errors_are_told_apart_from_the_rank_own_errors():
+    assert is_comm_error(RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]"))
+    assert not is_comm_error(ValueError("boom"))
+    assert not is_comm_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+
+
+def test_torchrun_env_is_read_only_from_a_complete_environment(monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "DPTUI_DDP_FD"):
+        monkeypatch.delenv(key, raising=False)
+    assert torchrun_env() is None
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("MASTER_ADDR", "node0")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    env = torchrun_env()
+    assert (env.rank, env.world_size, env.local_rank, env.master_port) == (3, 4, 1, 29500)
+
+
+# -- torchrun ---------------------------------------------------------------------------------------
+
+
+def test_under_torchrun_rank_0_runs_the_host_and_others_follow(tmp_path):
+    out = tmp_path / "events.jsonl"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                "--max-restarts=0", str(FIXTURES / "ddp_torchrun_main.py"), str(out)]
+    done = subprocess.run(torchrun, capture_output=True, text=True, timeout=90,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    finished = [line for line in lines if line["type"] == "run_finished"]
+    assert len(finished) == 2  # rank 0 ran twice; the other rank followed both runs
+    steps = [line for line in lines if line["type"] == "step"]
+    assert all([r["device"] for r in s["replicas"]] == ["cpu:0", "cpu:1"] for s in steps)
+    expected = Trainer(load_workload("seed", seed=5), ["cpu:0", "cpu:1"], seed=5, epochs=1,
+                       telemetry_interval=None).run()  # the fixture script's seed
+    assert finished[0]["final_loss"] == pytest.approx(expected.final_loss, abs=TOLERANCE)
+    assert finished[1]["final_loss"] == pytest.approx(expected.final_loss, abs=TOLERANCE)
+
+
+# -- CUDA -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (nccl)")
+def test_nccl_ranks_match_the_threaded_backend():
+    count = min(torch.cuda.device_count(), 2)
+    devices = [f"cuda:{i}" for i in range(count)]
+    before = _children()
+    trainer = _ddp(devices=devices, epochs=2)
+    events: list = []
+    trainer.subscribe(events.append)
+    result = trainer.run()
+    assert isinstance(result, RunFinished), result
+    expected, threaded_events = _threaded(devices, epochs=2)
+    assert _chunks(events) == _chunks(threaded_events)
+    assert result.final_loss == pytest.approx(expected.final_loss, abs=1e-4)
+    assert _children() - before == set()
