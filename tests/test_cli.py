@@ -98,7 +98,7 @@ BAD_ARGS = [
     (["--lr", "0"], ["learning rate"]),
     (["--seed", "-3"], ["seed"]),
     (["--telemetry-interval", "0.05"], ["telemetry interval"]),
-    (["--backend", "ddp"], ["--backend"]),
+    (["--backend", "horovod"], ["--backend"]),
     (["--no-such-option"], ["--no-such-option"]),
     (["--model", "bogus"], ["bogus"]),
     (["--model", "no_such_package_dptui.models:make"], ["no_such_package_dptui.models", "not found"]),

@@ -1,0 +1,471 @@
+"""The UI: the accumulator on its own, then the app driven by Pilot over the real Trainer.
+
+The real runs use the builtin seed workload (100 samples, batch 30) on three virtual CPU
+devices with fixed telemetry. Each step is paced by a test subscriber so that the 10 Hz
+screen sees every kind of step (10/10/10, then 4/4/2 at the end of an epoch).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import io
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+from rich.console import Console
+from textual import events
+from textual.widgets import Input, SelectionList, Static
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from dpengine.events import ConfigChanged, RunFailed, StateChanged, StepFinished
+from dpengine.trainer import Trainer
+from dpengine.workloads import Workload, builtin_workload
+from tui.app import DptuiApp
+from tui.screens.batch_size import BatchSizeScreen
+from tui.screens.devices import DevicesScreen
+from tui.screens.help import HelpScreen
+from tui.session import Session
+from tui.state import LOG_EVERY_S, DeviceView, RunView, model_lines
+from tui.widgets.device_panel import DevicePanel, render_body
+
+from ui_fakes import FixedTelemetry, ScriptedTrainer, demo_events, factory_of, gpu_sample, split, step_event
+
+DEVICES = ("cpu:0", "cpu:1", "cpu:2")
+
+
+# -- the accumulator -------------------------------------------------------------------
+
+
+def started_view(clock: Callable[[], float] = lambda: 0.0) -> RunView:
+    view = RunView(clock)
+    view.feed(demo_events(DEVICES, epochs=0)[0])  # RunStarted
+    return view
+
+
+def test_a_burst_of_steps_is_one_snapshot_with_the_latest_step():
+    view = started_view()
+    for step in range(1, 1001):
+        view.feed(step_event(step, 1, step, 1000, 30, DEVICES))
+    snap = view.snapshot()
+    assert snap.step == 1000
+    assert [p.chunk for p in snap.panels] == [10, 10, 10]
+    assert len(snap.loss_history) == 240  # bounded, however long the run
+    assert view.take_log() and view.take_log() == ()  # log lines are handed over once
+    assert view.version == snap.version  # nothing new: the UI skips its redraw
+
+
+def test_model_lines_are_thinned_to_about_ten_steps_a_second():
+    ticks = iter(range(10**6))
+    view = started_view(lambda: next(ticks) * 0.001)  # a step every millisecond
+    for step in range(1, 1001):
+        view.feed(step_event(step, 1, step, 1000, 30, DEVICES))
+    outside = [line for line in view.take_log() if line.text.startswith("Outside")]
+    assert 1000 * 0.001 / LOG_EVERY_S <= len(outside) <= 1000 * 0.001 / LOG_EVERY_S + 1
+
+
+def test_model_lines_read_like_the_dataparallel_tutorial():
+    lines = list(model_lines(step_event(1, 1, 1, 4, 30, DEVICES)))
+    assert lines[1] == "[cpu:1] In Model: input size torch.Size([10, 5]) output size torch.Size([10, 2])"
+    assert lines[-1] == "Outside: input size torch.Size([30, 5]) output size torch.Size([30, 2])"
+
+
+def test_feeding_is_cheap():
+    view = started_view()
+    events = [step_event(s, 1, s, 2000, 30, DEVICES) for s in range(1, 2001)]
+    started = time.perf_counter()
+    for event in events:
+        view.feed(event)
+    assert (time.perf_counter() - started) / len(events) < 200e-6
+
+
+def test_a_change_is_pending_until_its_step_boundary():
+    view = started_view()
+    view.request(batch_size=60)
+    view.request(devices=("cpu:0", "cpu:1"))
+    snap = view.snapshot()
+    assert snap.state == "pending"
+    assert snap.pending == "batch 60, -cpu:2"
+    assert [p.pending for p in snap.panels] == ["", "", "leaving"]
+    view.feed(ConfigChanged(60, ("cpu:0", "cpu:1"), step=5))
+    snap = view.snapshot()
+    assert (snap.state, snap.pending, snap.batch_size) == ("running", "", 60)
+    assert [p.active for p in snap.panels] == [True, True, False]
+
+
+def test_asking_for_what_is_already_in_force_is_not_pending():
+    view = started_view()
+    view.request(batch_size=30, devices=DEVICES, state="running")
+    assert view.snapshot().pending == ""
+
+
+def test_a_pause_is_pending_until_the_trainer_pauses():
+    view = started_view()
+    view.request(state="paused")
+    assert (view.snapshot().state, view.target_paused()) == ("pending", True)
+    view.feed(StateChanged("paused"))
+    assert view.snapshot().state == "paused"
+
+
+def test_timings_are_smoothed():
+    view = started_view()
+    for step in range(1, 30):
+        view.feed(step_event(step, 1, step, 30, 30, DEVICES))
+    panel = view.snapshot().panels[0]
+    assert panel.forward_ms == pytest.approx(0.2 + 0.01 * (29 % 5))
+    assert 0.2 <= panel.forward_ema <= 0.25
+    assert len(panel.step_ms) == 29
+
+
+def test_a_failure_is_an_error_notice_and_a_log_line_naming_the_replica():
+    view = started_view()
+    view.request(batch_size=60)
+    view.feed(RunFailed("ValueError: bad input", "ValueError", replica=1, device="cpu:1", traceback="Traceback..."))
+    snap = view.snapshot()
+    assert snap.state == "failed" and snap.pending == ""
+    assert snap.notices[0].severity == "error"
+    assert "replica 1 on cpu:1" in snap.notices[0].message
+    log = view.take_log()
+    assert log[-1].kind == "error"
+    assert all("Traceback" not in line.text for line in log)
+
+
+def panel_text(view: DeviceView) -> str:
+    console = Console(width=60, file=io.StringIO(), record=True)
+    console.print(render_body(view))
+    return console.export_text()
+
+
+def test_a_gpu_panel_shows_nvml_figures_or_why_they_are_missing():
+    sample = gpu_sample("cuda:0", 0)
+    view = DeviceView(0, "cuda:0", "NVIDIA H200", True, chunk=10, step_batch=30, forward_ms=1.5,
+                      forward_ema=1.25, memory_bytes=2 * 1024**3, peak_memory_bytes=3 * 1024**3, sample=sample)
+    text = panel_text(view)
+    for expected in ("chunk 10/30", "fwd   1.50 ms ~1.25", "util  90% 48°C 420 W", "used  20.0/141 GiB",
+                     "alloc 2.0 GiB pk 3.0"):
+        assert expected in text
+    no_sensors = dataclasses.replace(sample, temperature_c=None, missing={"temperature_c": "no permission"})
+    assert "n/a (no permission)" in panel_text(dataclasses.replace(view, sample=no_sensors))
+    lost = dataclasses.replace(sample, lost=True, missing={"device": "GPU is lost"})
+    assert "GPU is lost" in panel_text(dataclasses.replace(view, sample=lost))
+
+
+def test_session_refuses_what_the_trainer_cannot_do():
+    trainer = ScriptedTrainer([])
+    session = Session(started_view())
+    assert session.toggle_pause() == "The run is still starting."
+    session.attach(trainer)
+    assert session.set_batch_size(0) == "The batch size must be at least 1."
+    assert session.scale_batch_size(2) is None and session.scale_batch_size(2) is None
+    assert trainer.calls == [("set_batch_size", 60), ("set_batch_size", 120)]  # from the pending size
+    assert session.toggle_device(7) == "There is no device 8: 3 available."
+    assert session.toggle_device(0) is None and session.toggle_device(1) is None
+    assert session.toggle_device(2) == "cpu:2 is the last active device; it cannot be removed."
+    session.stop()
+    assert trainer.calls[-1] == ("stop",)
+
+
+# -- the app over the real Trainer ---------------------------------------------------
+
+
+def pace(seconds: float):
+    """A test-only subscriber that slows each step down, so the screen sees every one."""
+
+    def subscriber(event):
+        if isinstance(event, StepFinished):
+            time.sleep(seconds)
+
+    return subscriber
+
+
+def real_factory(*, epochs: int | None = None, workload: Callable[[], Workload] | None = None):
+    built: list[Trainer] = []
+
+    def make() -> Trainer:
+        trainer = Trainer(
+            workload() if workload else builtin_workload("seed", seed=0), DEVICES, available=DEVICES, batch_size=30,
+            epochs=epochs, seed=0, telemetry=FixedTelemetry(DEVICES), telemetry_interval=0.2,
+        )
+        trainer.subscribe(pace(0.01))
+        built.append(trainer)
+        return trainer
+
+    make.built = built
+    return make
+
+
+async def until(pilot, condition: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
+    """Poll with plain sleeps: pilot.pause touches the screen, which is gone once the app quit."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what or condition}"
+        await asyncio.sleep(0.02)
+
+
+CHARS = {"plus": "+", "minus": "-", "space": " ", "question_mark": "?"}
+
+
+async def press(pilot, *keys: str) -> None:
+    """Send keys as the terminal would. Unlike pilot.press, this does not wait (up to
+    2 s a key) for the process to go idle, which it never does while training runs."""
+    for key in keys:
+        pilot.app.post_message(events.Key(key, CHARS.get(key, key)))
+    await asyncio.sleep(0.01)
+
+
+async def quit_app(pilot) -> None:
+    """q, then wait for the app to be gone: a key posted during shutdown would find no screen."""
+    await press(pilot, "q")
+    await until(pilot, lambda: not pilot.app.is_running, timeout=3, what="the app to exit")
+
+
+def notices(app: DptuiApp, severity: str) -> list[str]:
+    return [n.message for n in app._notifications if n.severity == severity]
+
+
+def active_chunks(app: DptuiApp) -> list[int | None]:
+    return [p.chunk for p in app.query(DevicePanel) if p.view and p.view.active]
+
+
+def log_text(app: DptuiApp) -> str:
+    return "\n".join(strip.text for strip in app.log_view.lines)
+
+
+def status(app: DptuiApp) -> str:
+    return str(app.status.content)
+
+
+async def test_panels_show_each_replicas_chunk():
+    app = DptuiApp(real_factory())
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, lambda: active_chunks(app) == [10, 10, 10], what="chunks 10/10/10")
+        await until(pilot, lambda: active_chunks(app) == [4, 4, 2], what="the last step's 4/4/2")
+        assert "│ batch 30 │" in status(app)
+        assert [p.border_title for p in app.query(DevicePanel)][1] == "2 cpu:1 virtual"
+        await quit_app(pilot)
+
+
+async def test_plus_doubles_the_batch_at_the_next_step():
+    app = DptuiApp(real_factory())
+    async with app.run_test() as pilot:
+        await until(pilot, lambda: active_chunks(app) == [10, 10, 10])
+        await press(pilot, "plus")
+        await until(pilot, lambda: active_chunks(app) == [20, 20, 20], what="chunks of 20")
+        assert "│ batch 60 │" in status(app)
+        await press(pilot, "minus", "minus")
+        await until(pilot, lambda: active_chunks(app) == [5, 5, 5], what="chunks of 5")
+        await quit_app(pilot)
+
+
+async def test_a_change_shows_as_pending_at_once():
+    app = DptuiApp(real_factory())
+    async with app.run_test() as pilot:
+        await until(pilot, lambda: "running" in status(app))
+        await press(pilot, "space")
+        await until(pilot, lambda: "paused" in status(app))
+        await press(pilot, "plus")
+        await until(pilot, lambda: "pending: batch 60" in status(app), what="pending")  # paused: no step
+        await quit_app(pilot)
+
+
+async def test_taking_a_device_out_leaves_two_active_panels():
+    app = DptuiApp(real_factory())
+    async with app.run_test() as pilot:
+        await until(pilot, lambda: active_chunks(app) == [10, 10, 10])
+        await press(pilot, "3")
+        await until(pilot, lambda: active_chunks(app) == [15, 15], what="two panels with 15 each")
+        assert list(app.query(DevicePanel))[2].has_class("-inactive")
+        await press(pilot, "3")
+        await until(pilot, lambda: active_chunks(app) == [10, 10, 10], what="cpu:2 back")
+        await quit_app(pilot)
+
+
+async def test_pause_stops_the_step_count_and_space_resumes():
+    app = DptuiApp(real_factory())
+    async with app.run_test() as pilot:
+        await until(pilot, lambda: app.session.view.step > 2)
+        await press(pilot, "space")
+        await until(pilot, lambda: "● paused" in status(app), what="paused")
+        step = app.session.view.step
+        await asyncio.sleep(0.3)
+        assert app.session.view.step == step
+        await press(pilot, "space")
+        await until(pilot, lambda: app.session.view.step > step, what="steps again")
+        await quit_app(pilot)
+
+
+async def test_q_stops_the_run_and_exits_quickly():
+    factory = real_factory()
+    app = DptuiApp(factory)
+    async with app.run_test() as pilot:
+        await until(pilot, lambda: active_chunks(app) == [10, 10, 10])
+        started = time.monotonic()
+        await quit_app(pilot)
+    assert time.monotonic() - started < 3
+    assert app.return_code == 0
+    assert factory.built[0].stopping
+    assert app._worker.is_finished
+
+
+async def test_r_restarts_from_fresh_weights():
+    factory = real_factory()
+    app = DptuiApp(factory)
+    async with app.run_test() as pilot:
+        await until(pilot, lambda: app.session.view.step > 12)
+        first = app.session
+        await press(pilot, "r")
+        await until(pilot, lambda: app.session is not first and app.session.view.started, what="the new run")
+        assert first.view.ended  # the old loop stopped itself before the new one began
+        assert len(factory.built) == 2
+        assert app.session.view.step < 12
+        await quit_app(pilot)
+
+
+class Exploding(nn.Linear):
+    def __init__(self):
+        super().__init__(5, 2)
+
+    def forward(self, x):
+        raise ValueError("this model always fails")
+
+
+def failing_workload() -> Workload:
+    data = TensorDataset(torch.randn(100, 5), torch.randn(100, 2))
+    return Workload("exploding", Exploding(), data, nn.functional.mse_loss, batch_size=30)
+
+
+async def test_a_failed_run_is_reported_and_r_recovers():
+    broken, healthy = real_factory(workload=failing_workload), real_factory()
+    makers = iter([broken, healthy])
+    app = DptuiApp(lambda: next(makers)())
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, lambda: notices(app, "error"), what="the failure's notification")
+        (notice,) = notices(app, "error")
+        assert "replica 0 on cpu:0" in notice and "this model always fails" in notice
+        assert "● failed" in status(app)
+        await until(pilot, lambda: "this model always fails" in log_text(app), what="the log line")
+        assert "Traceback" not in log_text(app)
+        await press(pilot, "r")
+        await until(pilot, lambda: active_chunks(app) == [10, 10, 10], what="the healthy run")
+        await quit_app(pilot)
+
+
+async def test_a_factory_error_keeps_the_app_up():
+    def factory():
+        raise ValueError("device cuda:7 is not available")
+
+    app = DptuiApp(factory)
+    async with app.run_test() as pilot:
+        await until(pilot, lambda: notices(app, "error"))
+        assert "cuda:7" in notices(app, "error")[0]
+        await press(pilot, "space")  # greyed out: nothing to pause, nothing breaks
+        await quit_app(pilot)
+    assert app.return_code == 0
+
+
+# -- dialogs and layout, over a scripted trainer --------------------------------------
+
+
+def scripted_app(available=DEVICES, devices=None) -> tuple[DptuiApp, ScriptedTrainer]:
+    trainer = ScriptedTrainer(demo_events(available, devices, epochs=1))
+    return DptuiApp(factory_of(trainer)), trainer
+
+
+async def started(pilot, trainer: ScriptedTrainer) -> None:
+    await until(pilot, trainer.published.is_set)
+    pilot.app.refresh_view()
+    await pilot.pause()
+
+
+async def test_b_asks_for_a_batch_size_and_refuses_less_than_one():
+    app, trainer = scripted_app()
+    async with app.run_test() as pilot:
+        await started(pilot, trainer)
+        await pilot.press("b")
+        await until(pilot, lambda: isinstance(app.screen, BatchSizeScreen))
+        app.screen.query_one(Input).value = "0"
+        await pilot.press("enter")
+        assert isinstance(app.screen, BatchSizeScreen)
+        assert "≥ 1" in str(app.screen.query_one("#batch-error").content)
+        await pilot.press("q")  # typed into the dialog: must not quit
+        assert app.is_running and isinstance(app.screen, BatchSizeScreen)
+        app.screen.query_one(Input).value = "45"
+        await pilot.press("enter")
+        await until(pilot, lambda: not isinstance(app.screen, BatchSizeScreen))
+        assert ("set_batch_size", 45) in trainer.calls
+        assert "pending: batch 45" in status(app)
+        await pilot.press("q")
+
+
+async def test_d_picks_devices_from_a_list():
+    app, trainer = scripted_app(("cpu:0", "cpu:1", "cpu:2", "cpu:3"), DEVICES)
+    async with app.run_test() as pilot:
+        await started(pilot, trainer)
+        await pilot.press("d")
+        await until(pilot, lambda: isinstance(app.screen, DevicesScreen))
+        picker = app.screen.query_one(SelectionList)
+        assert picker.selected == list(DEVICES)
+        picker.deselect("cpu:0")
+        picker.select("cpu:3")
+        await pilot.press("a")
+        await until(pilot, lambda: not isinstance(app.screen, DevicesScreen))
+        assert trainer.calls[-1] == ("set_devices", ("cpu:1", "cpu:2", "cpu:3"))
+        assert "+cpu:3 -cpu:0" in status(app)
+        await pilot.press("q")
+
+
+async def test_the_last_device_cannot_be_removed():
+    app, trainer = scripted_app(DEVICES, ("cpu:1",))
+    async with app.run_test() as pilot:
+        await started(pilot, trainer)
+        await pilot.press("2")
+        assert not [c for c in trainer.calls if c[0] == "set_devices"]
+        await until(pilot, lambda: notices(app, "warning"))
+        assert "last active device" in notices(app, "warning")[-1]
+        await pilot.press("q")
+
+
+KEYS = {"space", "+", "-", "b", "1-9", "d", "r", "l", "?", "q"}
+
+
+async def test_footer_and_help_list_every_key_and_l_hides_the_log():
+    app, trainer = scripted_app()
+    async with app.run_test() as pilot:
+        await started(pilot, trainer)
+        assert {k.key_display for k in app.query("FooterKey")} == KEYS
+        await pilot.press("question_mark")
+        await until(pilot, lambda: isinstance(app.screen, HelpScreen))
+        console = Console(width=100, file=io.StringIO(), record=True)
+        for static in app.screen.query(Static):
+            console.print(static.content)
+        help_keys = {line.split()[0] for line in console.export_text().splitlines() if line.strip()}
+        assert KEYS <= help_keys
+        await pilot.press("escape")
+        await until(pilot, lambda: not isinstance(app.screen, HelpScreen))
+        await pilot.press("l")
+        assert not app.log_view.display
+        await pilot.press("l")
+        assert app.log_view.display
+        await pilot.press("q")
+
+
+async def test_the_device_grid_reflows_with_the_terminal():
+    app, trainer = scripted_app(tuple(f"cpu:{i}" for i in range(6)), DEVICES)
+    async with app.run_test(size=(160, 40)) as pilot:
+        await started(pilot, trainer)
+        assert app.devices.styles.grid_size_columns == 6
+        await pilot.resize_terminal(80, 24)
+        await pilot.pause()
+        assert app.devices.styles.grid_size_columns == 3
+        await pilot.resize_terminal(60, 24)
+        await pilot.pause()
+        assert app.devices.styles.grid_size_columns == 2
+        await pilot.press("q")
+
+
+def test_split_matches_torch_chunk():
+    assert [split(30, 3), split(10, 3), split(60, 2)] == [[10, 10, 10], [4, 4, 2], [30, 30]]
+    assert [t.shape[0] for t in torch.arange(10).chunk(3)] == split(10, 3)

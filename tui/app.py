@@ -1,0 +1,268 @@
+"""dptui's Textual app: watch a data-parallel run and steer it from the keyboard.
+
+Threads: the trainer runs in a Textual thread worker; its subscriber (`RunView.feed`)
+only stores the latest values. A 10 Hz timer on the UI pulls a snapshot and updates the
+widgets in one batch, so however fast steps run the screen costs the same. The log is
+flushed at 2 Hz: each write re-lays out the whole screen (RichLog's virtual size changes),
+which at 10 Hz cost about as much again as everything else. Steering calls are
+thread-safe trainer methods applied at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from rich.text import Text
+from textual import work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal
+from textual.screen import ModalScreen
+from textual.widgets import Footer, RichLog
+from textual.worker import Worker, WorkerCancelled, WorkerFailed
+
+from dpengine.events import RunFailed, RunFinished
+
+from . import format as fmt
+from .screens.batch_size import BatchSizeScreen
+from .screens.devices import DevicesScreen
+from .screens.help import HelpScreen
+from .session import Session
+from .state import RunView
+from .widgets.device_grid import DeviceGrid
+from .widgets.history import HistoryChart
+from .widgets.status_bar import StatusBar
+
+if TYPE_CHECKING:
+    from dpengine.trainer import Trainer
+
+TrainerFactory = Callable[[], "Trainer"]
+
+REFRESH_S = 0.1
+LOG_REFRESH_S = 0.5
+LOG_STYLES = {"model": "", "event": "cyan", "error": "bold red"}
+
+# Actions of plain keys: off while a dialog is open, so typing there cannot steer (or quit:
+# ctrl+q, Textual's own quit binding, still does, through action_quit).
+PLAIN_KEY_ACTIONS = {
+    "pause", "resume", "scale_batch", "ask_batch", "toggle_device", "pick_devices",
+    "restart", "toggle_log", "help", "quit_app",
+}
+
+# Actions that change a live run.
+RUN_ACTIONS = {"scale_batch", "ask_batch", "toggle_device", "pick_devices"}
+
+
+class DptuiApp(App[None]):
+    CSS_PATH = "app.tcss"
+    TITLE = "dptui"
+    VERTICAL_BREAKPOINTS = [(0, "-short"), (32, "-tall")]  # short: compact device panels
+    BINDINGS = [
+        # One key, two labels: check_action shows whichever applies.
+        Binding("space", "pause", "Pause", tooltip="Pause at the next step"),
+        Binding("space", "resume", "Resume", tooltip="Resume a paused run"),
+        Binding("plus", "scale_batch(2)", "×2", key_display="+", tooltip="Double the global batch size"),
+        Binding("minus", "scale_batch(0.5)", "÷2", key_display="-", tooltip="Halve the global batch size"),
+        Binding("b", "ask_batch", "Batch", tooltip="Type an exact global batch size"),
+        Binding("1", "toggle_device(0)", "Device", key_display="1-9", tooltip="Take device N in or out of the run"),
+        *(Binding(str(n), f"toggle_device({n - 1})", show=False) for n in range(2, 10)),
+        Binding("d", "pick_devices", "Pick", tooltip="Pick the devices from a list"),
+        Binding("r", "restart", "Restart", tooltip="Restart the run from fresh weights"),
+        Binding("l", "toggle_log", "Log", tooltip="Show or hide the log"),
+        Binding("question_mark", "help", "Help", key_display="?", tooltip="This help"),
+        Binding("q", "quit_app", "Quit", tooltip="Stop at the next step boundary and quit"),
+    ]
+
+    def __init__(
+        self,
+        trainer_factory: TrainerFactory,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        refresh_interval: float = REFRESH_S,
+    ) -> None:
+        super().__init__()
+        self._trainer_factory = trainer_factory
+        self._clock = clock
+        self._refresh_interval = refresh_interval
+        self.session = Session(RunView(clock))
+        self._worker: Worker | None = None
+        self._restarting = False
+        self._shown_version = -1
+        self._shown_state = ""
+        self.status = StatusBar(id="status")
+        self.devices = DeviceGrid(id="devices")
+        self.loss_chart = HistoryChart("loss", id="loss")
+        self.throughput_chart = HistoryChart("samples/s", id="throughput")
+        self.log_view = RichLog(id="log", max_lines=2000, min_width=20, wrap=True, markup=False)
+
+    def compose(self) -> ComposeResult:
+        yield self.status
+        yield self.devices
+        with Horizontal(id="history"):
+            yield self.loss_chart
+            yield self.throughput_chart
+        yield self.log_view
+        yield Footer(show_command_palette=False, compact=True)
+
+    def on_mount(self) -> None:
+        self.log_view.border_title = "log"
+        self.set_interval(self._refresh_interval, self._refresh_widgets)
+        self.set_interval(max(self._refresh_interval, LOG_REFRESH_S), self._flush_log)
+        self.call_after_refresh(self._start_run)  # once laid out, so the log knows its width
+
+    def on_unmount(self) -> None:
+        # However the app ends, the training thread must stop itself or the exit hangs.
+        self.session.stop()
+
+    # -- the run ----------------------------------------------------------------------
+
+    def _start_run(self) -> None:
+        self.session = Session(RunView(self._clock))
+        self._shown_version = -1
+        self._worker = self._train(self.session)
+
+    @work(thread=True, exit_on_error=False, group="trainer", description="training run")
+    def _train(self, session: Session) -> RunFinished | RunFailed | None:
+        view = session.view
+        try:
+            trainer = self._trainer_factory()
+        except Exception as error:  # a bad config: one line in the log, the app stays up
+            return view.fail(error)
+        unsubscribe = trainer.subscribe(view.feed)
+        try:
+            if not session.attach(trainer):
+                return None  # quit or restart came first
+            return trainer.run()
+        except Exception as error:  # the trainer reports its own failures; this is a bug's last stop
+            return view.fail(error)
+        finally:
+            unsubscribe()
+
+    @work(group="restart")
+    async def _restart(self) -> None:
+        try:
+            self.session.stop()
+            if self._worker is not None:
+                try:
+                    await self._worker.wait()
+                except (WorkerFailed, WorkerCancelled):
+                    pass  # already reported through the view
+            self.refresh_view()  # the old run's last words, before its view is dropped
+            self.log_view.write(Text("restarting from fresh weights", style="cyan"))
+            self._start_run()
+        finally:
+            self._restarting = False
+
+    # -- the screen -------------------------------------------------------------------
+
+    def refresh_view(self) -> None:
+        """Show everything the run has published so far (the timers do this in two halves)."""
+        self._refresh_widgets()
+        self._flush_log()
+
+    def _refresh_widgets(self) -> None:
+        view = self.session.view
+        if view.version == self._shown_version:
+            return
+        snap = view.snapshot()
+        self._shown_version = snap.version
+        if snap.state != self._shown_state:
+            self._shown_state = snap.state
+            self.refresh_bindings()  # Pause or Resume
+        with self.batch_update():
+            self.status.show(snap)
+            self.devices.show(snap.panels)
+            self.loss_chart.show(fmt.loss(snap.loss), snap.loss_history)
+            self.throughput_chart.show(fmt.rate(snap.samples_per_s), snap.throughput_history)
+        for notice in snap.notices:
+            self.notify(notice.message, title=notice.title, severity=notice.severity, timeout=8)
+
+    def _flush_log(self) -> None:
+        lines = self.session.view.take_log()
+        if not lines:
+            return
+        # Wrap at the log's own width: RichLog measures with the app console's, which can differ.
+        width = self.log_view.scrollable_content_region.width or None
+        with self.batch_update():
+            for line in lines:
+                self.log_view.write(Text(line.text, style=LOG_STYLES[line.kind]), width=width)
+
+    def _say(self, refusal: str | None) -> None:
+        if refusal:
+            self.notify(refusal, severity="warning")
+        self.refresh_view()  # show a pending change at once
+        self.refresh_bindings()
+
+    # -- keys -------------------------------------------------------------------------
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        screens = self.screen_stack  # empty while shutting down
+        if action in PLAIN_KEY_ACTIONS and (not screens or isinstance(screens[-1], ModalScreen)):
+            return False
+        view = self.session.view
+        if action in ("pause", "resume"):
+            if view.ended or not view.started:
+                return None if action == "pause" else False  # greyed: nothing to pause
+            return (action == "resume") == view.target_paused()
+        if action in RUN_ACTIONS and (view.ended or not view.started):
+            return None  # greyed in the Footer until a run is going
+        return True
+
+    def action_pause(self) -> None:
+        self._say(self.session.toggle_pause())
+
+    action_resume = action_pause
+
+    def action_scale_batch(self, factor: float) -> None:
+        self._say(self.session.scale_batch_size(factor))
+
+    def action_ask_batch(self) -> None:
+        def chosen(size: int | None) -> None:
+            if size is not None:
+                self._say(self.session.set_batch_size(size))
+
+        self.push_screen(BatchSizeScreen(self.session.view.target_batch_size()), chosen)
+
+    def action_toggle_device(self, index: int) -> None:
+        self._say(self.session.toggle_device(index))
+
+    def action_pick_devices(self) -> None:
+        view = self.session.view
+        names = self.devices.names
+        available = [(d, names.get(d, "")) for d in view.available_devices]
+        if not available:
+            self._say("The run is still starting.")
+            return
+
+        def chosen(devices: list[str] | None) -> None:
+            if devices is not None:
+                self._say(self.session.set_devices(devices))
+
+        self.push_screen(DevicesScreen(available, view.target_devices()), chosen)
+
+    def action_restart(self) -> None:
+        if not self._restarting:
+            self._restarting = True
+            self._restart()
+
+    def action_toggle_log(self) -> None:
+        self.log_view.display = not self.log_view.display
+        self.screen.set_class(not self.log_view.display, "-log-hidden")
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen(list(self.BINDINGS)))
+
+    async def action_quit(self) -> None:
+        self.session.stop()
+        self.exit(return_code=0)
+
+    action_quit_app = action_quit
+
+
+def run_app(trainer_factory: TrainerFactory) -> int:
+    """Run the app in this terminal until the user quits; the exit status."""
+    app = DptuiApp(trainer_factory)
+    app.run()
+    return app.return_code or 0

@@ -1,0 +1,45 @@
+"""`b`: type an exact global batch size."""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.screen import ModalScreen
+from textual.widgets import Input, Label, Static
+
+
+class BatchSizeScreen(ModalScreen[int | None]):
+    """Dismisses with the new size, or None when cancelled; refuses sizes below 1."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+
+    def __init__(self, current: int | None) -> None:
+        super().__init__()
+        self._current = current
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog"):
+            yield Static("[b]Global batch size[/b]", classes="title")
+            yield Input(
+                value="" if self._current is None else str(self._current),
+                type="integer",
+                placeholder="e.g. 64",
+                id="batch-input",
+            )
+            yield Label("", id="batch-error", classes="error")
+            yield Static("enter applies at the next step, escape cancels", classes="hint")
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        event.stop()
+        try:
+            size = int(event.value)
+        except ValueError:
+            size = 0
+        if size < 1:
+            self.query_one("#batch-error", Label).update("The batch size must be a whole number ≥ 1.")
+            return
+        self.dismiss(size)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)

@@ -1,0 +1,39 @@
+"""`?`: every key the app answers to, read from its bindings so the list cannot go stale."""
+
+from __future__ import annotations
+
+from rich.table import Table
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.screen import ModalScreen
+from textual.widgets import Static
+
+NOTES = (
+    "Changes show as pending in the status bar and take effect at the next step.\n"
+    "Keys 1-9 take device N (as numbered on its panel) in or out of the run."
+)
+
+
+class HelpScreen(ModalScreen[None]):
+    BINDINGS = [Binding("escape,question_mark,q", "dismiss", "Close")]
+
+    def __init__(self, bindings: list[Binding]) -> None:
+        super().__init__()
+        self._keys = bindings
+
+    def compose(self) -> ComposeResult:
+        table = Table.grid(padding=(0, 2))
+        table.add_column(style="bold")
+        table.add_column()
+        rows: dict[str, list[str]] = {}  # one row per key: space pauses or resumes
+        for binding in self._keys:
+            if binding.show:
+                rows.setdefault(binding.key_display or binding.key, []).append(binding.tooltip or binding.description)
+        for key, texts in rows.items():
+            table.add_row(key, "; ".join(texts))
+        with Vertical(classes="dialog"):
+            yield Static("[b]dptui keys[/b]", classes="title")
+            yield Static(table)
+            yield Static(NOTES, classes="note")
+            yield Static("escape closes", classes="hint")

@@ -1,0 +1,108 @@
+"""One run as the UI steers it: the trainer, its view, and the rules for each key.
+
+The trainer is built on the worker thread (building a model or a CUDA context can take
+seconds), so until it is attached every steering call says "still starting". Each steering
+method returns None when the change was handed to the trainer, or a sentence for the user.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from .state import RunView
+
+if TYPE_CHECKING:
+    from dpengine.trainer import Trainer
+
+
+class Session:
+    def __init__(self, view: RunView) -> None:
+        self.view = view
+        self._lock = threading.Lock()
+        self._trainer: Trainer | None = None
+        self._stopped = False
+
+    def attach(self, trainer: Trainer) -> bool:
+        """Hand over the freshly built trainer; False if the session was stopped meanwhile."""
+        with self._lock:
+            if self._stopped:
+                return False
+            self._trainer = trainer
+            return True
+
+    def stop(self) -> None:
+        """Ask the run to end at the next step boundary (it cannot be killed mid-step)."""
+        with self._lock:
+            self._stopped = True
+            trainer = self._trainer
+        if trainer is not None:
+            trainer.stop()
+
+    def _steerable(self) -> Trainer | str:
+        with self._lock:
+            trainer = self._trainer
+        if trainer is None or not self.view.started:
+            return "The run is still starting."
+        if self.view.ended:
+            return "The run has ended; press r to restart it."
+        return trainer
+
+    def toggle_pause(self) -> str | None:
+        trainer = self._steerable()
+        if isinstance(trainer, str):
+            return trainer
+        if self.view.target_paused():
+            trainer.resume()
+            self.view.request(state="running")
+        else:
+            trainer.pause()
+            self.view.request(state="paused")
+        return None
+
+    def set_batch_size(self, n: int) -> str | None:
+        trainer = self._steerable()
+        if isinstance(trainer, str):
+            return trainer
+        if n < 1:
+            return "The batch size must be at least 1."
+        try:
+            trainer.set_batch_size(n)
+        except ValueError as err:
+            return str(err)
+        self.view.request(batch_size=n)
+        return None
+
+    def scale_batch_size(self, factor: float) -> str | None:
+        current = self.view.target_batch_size()
+        if current is None:
+            return "The run is still starting."
+        if factor < 1 and current == 1:
+            return "The batch size is already 1."
+        return self.set_batch_size(max(1, int(current * factor)))
+
+    def toggle_device(self, index: int) -> str | None:
+        available = self.view.available_devices
+        if not available:
+            return "The run is still starting."
+        if index >= len(available):
+            return f"There is no device {index + 1}: {len(available)} available."
+        device = available[index]
+        chosen = set(self.view.target_devices()) ^ {device}
+        if not chosen:
+            return f"{device} is the last active device; it cannot be removed."
+        return self.set_devices([d for d in available if d in chosen])
+
+    def set_devices(self, devices: Sequence[str]) -> str | None:
+        trainer = self._steerable()
+        if isinstance(trainer, str):
+            return trainer
+        if not devices:
+            return "Choose at least one device."
+        try:
+            trainer.set_devices(devices)
+        except ValueError as err:
+            return str(err)
+        self.view.request(devices=devices)
+        return None

@@ -1,0 +1,420 @@
+"""What the UI knows about one run, kept apart from any widget.
+
+`RunView.feed` is the trainer's subscriber: it runs on the training thread (and the
+telemetry thread), so it only stores the latest values under a lock and returns. The UI
+pulls a frozen `Snapshot` about ten times a second (memray's live-view pattern), so the
+screen refreshes at the same pace however fast steps run.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from dpengine.events import (
+    ConfigChanged,
+    EpochFinished,
+    Event,
+    RunConfig,
+    RunFailed,
+    RunFinished,
+    RunStarted,
+    StateChanged,
+    StepFinished,
+    TelemetrySampled,
+)
+from dpengine.records import ReplicaRecord, Shape
+from dpengine.telemetry.sample import DeviceSample
+
+from . import format as fmt
+
+EMA_ALPHA = 0.2
+HISTORY_POINTS = 240  # loss and throughput; a Sparkline folds them to its width
+STEP_POINTS = 60  # per-device step times
+LOG_EVERY_S = 0.1  # model lines of at most ~10 steps a second
+EPOCH_LOG_EVERY_S = 0.5  # fast epochs would drown everything else
+MAX_PENDING_LOG = 500  # lines kept while the UI is not pulling (bounded memory)
+
+ENDED = ("finished", "stopped", "failed")
+
+
+@dataclass(frozen=True, slots=True)
+class LogLine:
+    text: str
+    kind: str = "model"  # "model", "event" or "error"
+
+
+@dataclass(frozen=True, slots=True)
+class Notice:
+    """Something to `notify` the user about."""
+
+    message: str
+    title: str = ""
+    severity: str = "information"  # Textual's: information, warning, error
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceView:
+    """One device panel's content."""
+
+    index: int  # in available_devices; its key is index + 1
+    device: str
+    name: str
+    active: bool  # in the run now
+    pending: str = ""  # "joining" or "leaving" at the next step
+    chunk: int | None = None  # rows it got in the last step (None: not in that step)
+    step_batch: int | None = None  # that step's whole batch
+    forward_ms: float | None = None
+    forward_ema: float | None = None
+    backward_ms: float | None = None
+    backward_ema: float | None = None
+    memory_bytes: int | None = None
+    peak_memory_bytes: int | None = None
+    step_ms: tuple[float, ...] = ()
+    sample: DeviceSample | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    version: int  # changes whenever anything below may have
+    state: str  # starting, running, paused, pending, stopping, finished, stopped, failed
+    pending: str = ""  # what waits for the next step boundary, in words
+    workload: str = ""
+    backend: str = ""
+    batch_size: int | None = None  # the global batch size in force
+    epoch: int = 0
+    epochs: int | None = None
+    step: int = 0
+    step_in_epoch: int = 0
+    steps_in_epoch: int = 0
+    loss: float | None = None
+    samples_per_s: float | None = None  # smoothed
+    loss_history: tuple[float, ...] = ()
+    throughput_history: tuple[float, ...] = ()
+    panels: tuple[DeviceView, ...] = ()
+    notices: tuple[Notice, ...] = ()  # new since the last snapshot
+
+
+@dataclass(slots=True)
+class _Device:
+    last: ReplicaRecord | None = None
+    forward_ema: float | None = None
+    backward_ema: float | None = None
+    step_ms: deque[float] = field(default_factory=lambda: deque(maxlen=STEP_POINTS))
+
+
+def _ema(previous: float | None, value: float | None) -> float | None:
+    if value is None:
+        return previous
+    return value if previous is None else previous + EMA_ALPHA * (value - previous)
+
+
+def torch_size(shape: Shape | None) -> str:
+    """Shapes as `print(t.size())` shows them, for the classic DataParallel tutorial lines."""
+    return f"torch.Size({list(shape or ())})"
+
+
+def model_lines(event: StepFinished) -> Iterator[str]:
+    for replica in event.record.replicas:
+        inp = replica.input_shapes[0] if replica.input_shapes else None
+        out = replica.output_shapes[0] if replica.output_shapes else None
+        yield f"[{replica.device}] In Model: input size {torch_size(inp)} output size {torch_size(out)}"
+    yield f"Outside: input size {torch_size(event.input_shape)} output size {torch_size(event.output_shape)}"
+
+
+class RunView:
+    """Thread-safe accumulator of one run's events plus the changes the user asked for."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._version = 0
+        self._config: RunConfig | None = None
+        self._state = "starting"
+        self._batch_size: int | None = None
+        self._devices: tuple[str, ...] = ()
+        self._pending_batch: int | None = None
+        self._pending_devices: tuple[str, ...] | None = None
+        self._pending_state: str | None = None  # "paused" or "running", asked for
+        self._last_step: StepFinished | None = None
+        self._throughput: float | None = None
+        self._loss_history: deque[float] = deque(maxlen=HISTORY_POINTS)
+        self._throughput_history: deque[float] = deque(maxlen=HISTORY_POINTS)
+        self._per_device: dict[str, _Device] = {}
+        self._telemetry: dict[str, DeviceSample] = {}
+        self._log: deque[LogLine] = deque(maxlen=MAX_PENDING_LOG)
+        self._notices: list[Notice] = []
+        self._last_logged: float | None = None
+        self._last_epoch_logged: float | None = None
+
+    # -- fed by the trainer's threads -------------------------------------------------
+
+    def feed(self, event: Event) -> None:
+        """The trainer's subscriber callback: cheap, never blocks for long."""
+        with self._lock:
+            self._version += 1
+            handler = _HANDLERS.get(type(event))
+            if handler is not None:
+                handler(self, event)
+
+    def fail(self, error: BaseException) -> RunFailed:
+        """Record an error raised outside the trainer's own reporting (e.g. by the factory)."""
+        event = RunFailed(error=f"{type(error).__name__}: {error}".splitlines()[0], error_type=type(error).__name__)
+        self.feed(event)
+        return event
+
+    def _on_started(self, event: RunStarted) -> None:
+        config = event.config
+        self._config = config
+        self._state = "running"
+        self._batch_size = config.batch_size
+        self._devices = tuple(config.devices)
+        self._per_device = {d: _Device() for d in config.available_devices}
+        epochs = "until stopped" if config.epochs is None else f"{config.epochs} epoch(s)"
+        self._event(
+            f"run started: {config.workload} on {', '.join(config.devices)}, "
+            f"batch {config.batch_size}, {epochs}, lr {config.lr:g}, seed {config.seed}"
+        )
+
+    def _on_step(self, event: StepFinished) -> None:
+        self._last_step = event
+        self._loss_history.append(event.loss)
+        self._throughput_history.append(event.samples_per_s)
+        self._throughput = _ema(self._throughput, event.samples_per_s)
+        for replica in event.record.replicas:
+            device = self._per_device.setdefault(replica.device, _Device())
+            device.last = replica
+            device.forward_ema = _ema(device.forward_ema, replica.forward_ms)
+            device.backward_ema = _ema(device.backward_ema, replica.backward_ms)
+            device.step_ms.append(replica.forward_ms + (replica.backward_ms or 0.0))
+        now = self._clock()
+        if self._last_logged is None or now - self._last_logged >= LOG_EVERY_S:
+            self._last_logged = now
+            self._log.extend(LogLine(line) for line in model_lines(event))
+
+    def _on_epoch(self, event: EpochFinished) -> None:
+        now = self._clock()
+        if self._last_epoch_logged is not None and now - self._last_epoch_logged < EPOCH_LOG_EVERY_S:
+            return
+        self._last_epoch_logged = now
+        self._event(
+            f"epoch {event.epoch} done: mean loss {fmt.loss(event.mean_loss)}, {event.samples} samples "
+            f"in {event.seconds:.2f} s ({fmt.rate(event.samples_per_s)} samples/s)"
+        )
+
+    def _on_telemetry(self, event: TelemetrySampled) -> None:
+        for sample in event.samples:
+            self._telemetry[sample.device] = sample
+
+    def _on_state(self, event: StateChanged) -> None:
+        if event.state == self._pending_state:
+            self._pending_state = None
+        if self._state not in ENDED:
+            self._state = event.state
+        if event.state != "pending":  # pending changes show from the UI's own requests
+            self._event(f"{event.state}{': ' + event.detail if event.detail else ''}")
+
+    def _on_config(self, event: ConfigChanged) -> None:
+        self._batch_size = event.batch_size
+        self._devices = tuple(event.devices)
+        if self._pending_batch == event.batch_size:
+            self._pending_batch = None
+        if self._pending_devices is not None and set(self._pending_devices) == set(event.devices):
+            self._pending_devices = None
+        if self._state == "pending":
+            self._state = "running"
+        self._last_logged = None  # show the new split in the log at once
+        self._event(f"from step {event.step}: batch {event.batch_size} on {', '.join(event.devices)}")
+
+    def _on_finished(self, event: RunFinished) -> None:
+        what = "stopped" if event.stopped else "finished"
+        self._end(what)
+        text = (
+            f"run {what}: {event.epochs} epoch(s), {event.steps} steps, {event.samples} samples "
+            f"in {event.seconds:.1f} s, loss {fmt.loss(event.final_loss)}"
+        )
+        self._event(text)
+        if not event.stopped:  # a stop was the user's own doing (quit, restart): no news
+            self._notices.append(Notice(text + " (r restarts)", title=f"Run {what}"))
+
+    def _on_failed(self, event: RunFailed) -> None:
+        self._end("failed")
+        text = f"run failed: {event.error}"
+        if event.device and event.device not in event.error:
+            replica = f"replica {event.replica} on " if event.replica is not None else ""
+            text += f" ({replica}{event.device})"
+        self._log.append(LogLine(text, "error"))
+        self._notices.append(Notice(text + " (r restarts)", title="Run failed", severity="error"))
+
+    def _end(self, state: str) -> None:
+        self._state = state
+        self._pending_batch = self._pending_devices = self._pending_state = None
+
+    def _event(self, text: str) -> None:
+        self._log.append(LogLine(text, "event"))
+
+    # -- asked for by the UI ----------------------------------------------------------
+
+    @property
+    def started(self) -> bool:
+        with self._lock:
+            return self._config is not None
+
+    @property
+    def ended(self) -> bool:
+        with self._lock:
+            return self._state in ENDED
+
+    @property
+    def state(self) -> str:
+        """As the status bar shows it."""
+        with self._lock:
+            return self._shown_state()
+
+    @property
+    def step(self) -> int:
+        with self._lock:
+            return self._last_step.step if self._last_step else 0
+
+    @property
+    def available_devices(self) -> tuple[str, ...]:
+        with self._lock:
+            return self._config.available_devices if self._config else ()
+
+    def target_batch_size(self) -> int | None:
+        """The batch size after pending changes: what `+`/`-` start from."""
+        with self._lock:
+            return self._pending_batch or self._batch_size
+
+    def target_devices(self) -> tuple[str, ...]:
+        with self._lock:
+            return self._pending_devices if self._pending_devices is not None else self._devices
+
+    def target_paused(self) -> bool:
+        with self._lock:
+            return (self._pending_state or self._state) == "paused"
+
+    def request(
+        self, *, batch_size: int | None = None, devices: Sequence[str] | None = None, state: str | None = None
+    ) -> None:
+        """Note a change handed to the trainer, shown as pending until its event arrives."""
+        with self._lock:
+            self._version += 1
+            if batch_size is not None:
+                self._pending_batch = None if batch_size == self._batch_size else batch_size
+            if devices is not None:
+                devices = tuple(devices)
+                self._pending_devices = None if set(devices) == set(self._devices) else devices
+            if state is not None:
+                self._pending_state = None if state == self._state else state
+
+    # -- pulled by the UI -------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        with self._lock:
+            return self._version
+
+    def take_log(self) -> tuple[LogLine, ...]:
+        """The log lines since the last call (each is handed over once)."""
+        with self._lock:
+            lines = tuple(self._log)
+            self._log.clear()
+            return lines
+
+    def snapshot(self) -> Snapshot:
+        """A frozen copy of everything but the log; notices are handed over once."""
+        with self._lock:
+            config = self._config
+            step = self._last_step
+            notices = tuple(self._notices)
+            self._notices.clear()
+            return Snapshot(
+                version=self._version,
+                state=self._shown_state(),
+                pending=self._pending_words(),
+                workload=config.workload if config else "",
+                backend=config.backend if config else "",
+                batch_size=self._batch_size,
+                epoch=step.epoch if step else 0,
+                epochs=config.epochs if config else None,
+                step=step.step if step else 0,
+                step_in_epoch=step.step_in_epoch if step else 0,
+                steps_in_epoch=step.steps_in_epoch if step else 0,
+                loss=step.loss if step else None,
+                samples_per_s=self._throughput,
+                loss_history=tuple(self._loss_history),
+                throughput_history=tuple(self._throughput_history),
+                panels=self._panels(config, step),
+                notices=notices,
+            )
+
+    def _shown_state(self) -> str:
+        if self._state not in ENDED and self._pending_words():
+            return "pending"
+        return self._state
+
+    def _pending_words(self) -> str:
+        words = []
+        if self._pending_state == "paused":
+            words.append("pause")
+        elif self._pending_state == "running":
+            words.append("resume")
+        if self._pending_batch is not None:
+            words.append(f"batch {self._pending_batch}")
+        if self._pending_devices is not None:
+            joining = [f"+{d}" for d in self._pending_devices if d not in self._devices]
+            leaving = [f"-{d}" for d in self._devices if d not in self._pending_devices]
+            words.append(" ".join(joining + leaving))
+        return ", ".join(words)
+
+    def _panels(self, config: RunConfig | None, step: StepFinished | None) -> tuple[DeviceView, ...]:
+        if config is None:
+            return ()
+        target = self._pending_devices
+        in_step = {r.device: r for r in step.record.replicas} if step else {}
+        names = dict(zip(config.available_devices, config.device_names))
+        views = []
+        for index, device in enumerate(config.available_devices):
+            active = device in self._devices
+            pending = ""
+            if target is not None and (device in target) != active:
+                pending = "leaving" if active else "joining"
+            state = self._per_device.get(device, _Device())
+            last, sample = state.last, self._telemetry.get(device)
+            replica = in_step.get(device)
+            views.append(
+                DeviceView(
+                    index=index,
+                    device=device,
+                    name=names.get(device) or (sample.name if sample else ""),
+                    active=active,
+                    pending=pending,
+                    chunk=replica.chunk_size if replica else None,
+                    step_batch=step.batch_size if replica and step else None,
+                    forward_ms=last.forward_ms if last else None,
+                    forward_ema=state.forward_ema,
+                    backward_ms=last.backward_ms if last else None,
+                    backward_ema=state.backward_ema,
+                    memory_bytes=last.memory_bytes if last else None,
+                    peak_memory_bytes=last.peak_memory_bytes if last else None,
+                    step_ms=tuple(state.step_ms),
+                    sample=sample,
+                )
+            )
+        return tuple(views)
+
+
+_HANDLERS: dict[type, Callable[[RunView, object], None]] = {
+    RunStarted: RunView._on_started,
+    StepFinished: RunView._on_step,
+    EpochFinished: RunView._on_epoch,
+    TelemetrySampled: RunView._on_telemetry,
+    StateChanged: RunView._on_state,
+    ConfigChanged: RunView._on_config,
+    RunFinished: RunView._on_finished,
+    RunFailed: RunView._on_failed,
+}
