@@ -30,21 +30,22 @@ _MAX_HOOKED_NODES = 20_000
 
 
 def tensors_of(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
     found: list[torch.Tensor] = []
-    _collect_tensors(obj, found)
+    if isinstance(obj, (tuple, list, dict)):
+        _collect_tensors(obj, found)
     return found
 
 
-def _collect_tensors(obj: Any, found: list[torch.Tensor]) -> None:
-    # One list filled in place: this runs several times per step on the hot path.
-    if isinstance(obj, torch.Tensor):
-        found.append(obj)
-    elif isinstance(obj, (tuple, list)):
-        for item in obj:
+def _collect_tensors(container: Any, found: list[torch.Tensor]) -> None:
+    # Fills one list in place and recurses only into containers: this runs several times per
+    # step on the hot path.
+    for item in container.values() if isinstance(container, dict) else container:
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif isinstance(item, (tuple, list, dict)):
             _collect_tensors(item, found)
-    elif isinstance(obj, dict):
-        for value in obj.values():
-            _collect_tensors(value, found)
 
 
 def shapes_of(obj: Any) -> tuple[Shape, ...]:

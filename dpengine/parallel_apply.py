@@ -70,23 +70,75 @@ class _Call:
         self.results: list[Any] = [None] * count
         self._left = count
         self._lock = threading.Lock()
-        self.done = threading.Event()
+        # A one-shot latch: held until the last replica finishes. Cheaper than an Event
+        # (whose wait and set run Python code around a Condition) on this per-step path.
+        self._done = threading.Lock()
+        if count > 0:
+            self._done.acquire()
 
     def finish(self, index: int, result: Any) -> None:
         self.results[index] = result
         with self._lock:
             self._left -= 1
-            if self._left == 0:
-                self.done.set()
+            last = self._left == 0
+        if last:
+            self._done.release()
+
+    def wait(self) -> None:
+        self._done.acquire()
+
+
+# Autograd runs a CPU backward's ready nodes highest sequence number first, and sequence
+# numbers count per thread. Replicas doing the same work in their own threads would tie
+# node for node, so the backward went breadth-first across replicas and every replica's
+# gradient of a weight was alive at once before autograd summed them (peak memory grew by
+# one set of weight gradients per replica). Starting worker i's count i * STRIDE higher
+# makes the backward finish one replica before the next (for replicas of up to STRIDE
+# autograd nodes a forward), so the gradients are summed as they come.
+_SEQUENCE_STRIDE = 1024
+
+
+def _skip_sequence_numbers(count: int) -> None:
+    """Advance this thread's autograd sequence number by `count` (about 2 us each, once)."""
+    with torch.enable_grad():
+        leaf = torch.zeros((), requires_grad=True)
+        for _ in range(count):
+            leaf.view(())
+
+
+def _uses_openmp() -> bool:
+    return "ATen parallel backend: OpenMP" in torch.__config__.parallel_info()
+
+
+def _throttle_openmp_spinning(intra_op_threads: int) -> None:
+    """Run one parallel region with 2 threads in this thread, then go back to its budget.
+
+    GNU OpenMP keeps a team's threads spinning for a while (GOMP_SPINCOUNT, ~300k pauses,
+    several ms here) after each parallel region, unless it manages more threads than there
+    are cores. The caller's team (torch's intra-op threads) spins like that after each of
+    its ops, on the very cores the replica workers are computing on: a forward of 2 replicas
+    on 2 cores ran ~25% slower than the plain module. With 1 thread per replica no worker
+    has a team of its own, so libgomp never throttles; this gives one worker a team (its
+    extra thread then sleeps), which makes libgomp count one thread more than cores and
+    spin briefly. Nothing else changes: the worker then computes with its budget again.
+    """
+    torch.set_num_threads(2)
+    torch.ones(1 << 18).add_(1)  # above the grain size: a real two-thread region
+    torch.set_num_threads(intra_op_threads)
 
 
 class _Worker(threading.Thread):
-    def __init__(self, device: torch.device, intra_op_threads: int | None, ready: threading.Barrier):
+    def __init__(
+        self, device: torch.device, intra_op_threads: int | None, ready: threading.Barrier,
+        sequence_offset: int = 0, throttle_spinning: bool = False,
+    ):
         super().__init__(name=f"dpengine-{device_name(device)}", daemon=True)
         self.device = device
         self.tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._intra_op_threads = intra_op_threads
         self._ready = ready
+        self._sequence_offset = sequence_offset
+        self._throttle_spinning = throttle_spinning
 
     def run(self) -> None:
         if self._intra_op_threads is not None:
@@ -94,6 +146,10 @@ class _Worker(threading.Thread):
             # the process default, which would undo a set_num_threads made before it.
             torch.get_num_threads()
             torch.set_num_threads(self._intra_op_threads)
+            if self._throttle_spinning:
+                _throttle_openmp_spinning(self._intra_op_threads)
+        if self._sequence_offset:
+            _skip_sequence_numbers(self._sequence_offset)
         self._ready.wait()
         while True:
             task = self.tasks.get()
@@ -113,7 +169,14 @@ class WorkerPool:
         # Replica threads and torch's intra-op threads must not oversubscribe the cores.
         self.intra_op_threads = max(1, total_threads // len(self.devices)) if cpu else None
         ready = threading.Barrier(len(self.devices) + 1)
-        self._workers = [_Worker(d, self.intra_op_threads, ready) for d in self.devices]
+        # One thread per replica leaves libgomp spinning at full length (see
+        # _throttle_openmp_spinning); the first worker fixes that for all.
+        throttle = cpu and self.intra_op_threads == 1 and total_threads > 1 and _uses_openmp()
+        self._workers = [
+            _Worker(d, self.intra_op_threads, ready, slot * _SEQUENCE_STRIDE if cpu else 0,
+                    throttle_spinning=throttle and slot == 0)
+            for slot, d in enumerate(self.devices)
+        ]
         for worker in self._workers:
             worker.start()
         ready.wait()
@@ -136,7 +199,7 @@ class WorkerPool:
         call = _Call(len(jobs))
         for index, (slot, job) in enumerate(jobs):
             self._workers[slot].tasks.put(_make_task(call, index, job, self.devices[slot]))
-        call.done.wait()
+        call.wait()
         return call.results
 
     def close(self) -> None:

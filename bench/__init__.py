@@ -1,0 +1,1 @@
+"""dptui's benchmark suite: `python -m bench` (or `make bench`); see BENCHMARKS.md."""

@@ -1,0 +1,161 @@
+"""1. Dispatch overhead: the seed workload's forward over 4 virtual CPU devices.
+
+dpengine.DataParallel (persistent workers) against the thread-per-call pattern of
+torch.nn.parallel.parallel_apply (a new thread per replica per call) and against the
+plain module. The thread-per-call candidate reuses dpengine's own replicate, scatter
+and gather, so that only the dispatch differs; its worker is torch's `_worker` minus
+the CUDA stream and device (grad mode and autocast carried, results under a lock,
+errors wrapped).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+from torch import nn
+from torch._utils import ExceptionWrapper
+
+from dpengine import DataParallel
+from dpengine.parallel_apply import WorkerPool
+from dpengine.replicate import replicate_shared
+from dpengine.scatter_gather import Split, gather, scatter_kwargs
+
+from .common import Goal, Section, interleave, paired_ratio, stats, time_rows
+
+DEVICES = 4
+GOAL = 5.0  # dpengine at least 5x faster per step than thread-per-call
+
+
+def torch_style_parallel_apply(modules, inputs, kwargs_tup) -> list[Any]:
+    """torch.nn.parallel.parallel_apply's threading, on CPU: one new thread per replica per call."""
+    lock = threading.Lock()
+    results: dict[int, Any] = {}
+    grad_enabled, autocast_enabled = torch.is_grad_enabled(), torch.is_autocast_enabled("cpu")
+
+    def _worker(i, module, input, kwargs):
+        torch.set_grad_enabled(grad_enabled)
+        try:
+            with torch.amp.autocast("cpu", enabled=autocast_enabled):
+                if not isinstance(input, (list, tuple)):
+                    input = (input,)
+                output = module(*input, **kwargs)
+            with lock:
+                results[i] = output
+        except Exception:
+            with lock:
+                results[i] = ExceptionWrapper(where=f"in replica {i}")
+
+    if len(modules) > 1:
+        threads = [
+            threading.Thread(target=_worker, args=(i, m, a, k))
+            for i, (m, a, k) in enumerate(zip(modules, inputs, kwargs_tup))
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    else:
+        _worker(0, modules[0], inputs[0], kwargs_tup[0])
+    outputs = []
+    for i in range(len(inputs)):
+        output = results[i]
+        if isinstance(output, ExceptionWrapper):
+            output.reraise()
+        outputs.append(output)
+    return outputs
+
+
+class ThreadPerCall(nn.Module):
+    """DataParallel's forward with dpengine's replicate/scatter/gather and torch's dispatch."""
+
+    def __init__(self, module: nn.Module, count: int) -> None:
+        super().__init__()
+        self.module = module
+        self.devices = [torch.device("cpu", i) for i in range(count)]
+        self.split = Split(count)
+
+    def forward(self, *inputs, **kwargs):
+        args, kwargs_list, slots = scatter_kwargs(inputs, kwargs, self.devices, self.split, 0)
+        replicas = replicate_shared(self.module, len(slots))
+        outputs = torch_style_parallel_apply(replicas, args, kwargs_list)
+        return gather(outputs, self.devices[0], 0)
+
+
+def _noop() -> None:
+    return None
+
+
+def run(quick: bool = False) -> Section:
+    section = Section(1, "dispatch overhead")
+    rounds, inner = (9, 20) if quick else (41, 60)
+    torch.manual_seed(0)
+    model = nn.Linear(5, 2)
+    batch = torch.randn(30, 5)
+    devices = [f"cpu:{i}" for i in range(DEVICES)]
+    dp = DataParallel(model, devices)
+    dp_off = DataParallel(model, devices, record=False)
+    tpc = ThreadPerCall(model, DEVICES)
+
+    def forward(module):
+        return lambda: module(batch)
+
+    def forward_no_grad(module):
+        def call():
+            with torch.no_grad():
+                module(batch)
+        return call
+
+    labels = {"plain": "plain Linear(5, 2)", "dp": "dpengine (record on, default)",
+              "dp_off": "dpengine (record off)", "tpc": "thread-per-call"}
+    samples = interleave(
+        {"plain": forward(model), "dp": forward(dp), "dp_off": forward(dp_off), "tpc": forward(tpc)},
+        rounds=rounds, inner=inner, warmup=inner,
+    )
+    st = stats(samples)
+    case = f"forward, batch 30, {DEVICES} virtual devices, grad on"
+    section.rows += time_rows("1 dispatch", case, st, "tpc", "us", labels)
+    speedup = st["tpc"].median / st["dp"].median
+    speedup_off = st["tpc"].median / st["dp_off"].median
+    paired = 1.0 / paired_ratio(samples, "dp", "tpc")
+
+    ng = stats(interleave(
+        {"dp": forward_no_grad(dp), "dp_off": forward_no_grad(dp_off), "tpc": forward_no_grad(tpc)},
+        rounds=rounds, inner=inner, warmup=inner,
+    ))
+    section.rows += time_rows("1 dispatch", case.replace("grad on", "no_grad"), ng, "tpc", "us", labels)
+
+    # Dispatch alone: four no-op jobs through the worker pool, or four new threads.
+    pool = WorkerPool([torch.device("cpu", i) for i in range(DEVICES)])
+    jobs = [(i, _noop) for i in range(DEVICES)]
+
+    def threads_noop():
+        threads = [threading.Thread(target=_noop) for _ in range(DEVICES)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    try:
+        only = stats(interleave(
+            {"pool": lambda: pool.run(jobs), "threads": threads_noop},
+            rounds=rounds, inner=inner, warmup=inner,
+        ))
+    finally:
+        pool.close()
+    section.rows += time_rows(
+        "1 dispatch", f"dispatch only: {DEVICES} no-op jobs", only, "threads", "us",
+        {"pool": "dpengine WorkerPool.run", "threads": "thread-per-call (start + join)"},
+    )
+    dp.close()
+    dp_off.close()
+
+    section.goals.append(Goal(
+        1, f"seed forward, {DEVICES} virtual devices: dpengine >= {GOAL:.0f}x faster than thread-per-call",
+        f"{speedup:.2f}x (record on; paired {paired:.2f}x); record off {speedup_off:.2f}x; "
+        f"dispatch only {only['threads'].median / only['pool'].median:.2f}x; "
+        f"plain module {st['dp'].median / st['plain'].median:.0f}x faster than dpengine",
+        "met" if speedup >= GOAL else "MISSED",
+    ))
+    return section
