@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, Union
 
 from .records import StepRecord
@@ -146,3 +147,22 @@ def to_json_dict(event: Event) -> dict[str, Any]:
         body["replicas"] = record.pop("replicas")
         body["engine"] = record  # scatter/replicate/apply/gather/total times
     return {"type": event_type(event), **body}
+
+
+Subscriber = Callable[[Event], None]
+
+
+class Publisher:
+    """Hands each event to every subscriber, in the publishing thread: callbacks must be cheap."""
+
+    def __init__(self) -> None:
+        self._subscribers: list[Subscriber] = []
+
+    def subscribe(self, callback: Subscriber) -> Callable[[], None]:
+        """Receive every event; returns a function that unsubscribes."""
+        self._subscribers.append(callback)
+        return lambda: self._subscribers.remove(callback) if callback in self._subscribers else None
+
+    def _publish(self, event: Event) -> None:
+        for callback in list(self._subscribers):
+            callback(event)

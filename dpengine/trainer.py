@@ -13,7 +13,7 @@ import os
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -24,7 +24,7 @@ from .devices import DeviceLike, available_devices, device_name, resolve_devices
 from .events import (
     ConfigChanged,
     EpochFinished,
-    Event,
+    Publisher,
     RunConfig,
     RunFailed,
     RunFinished,
@@ -37,10 +37,9 @@ from .parallel_apply import replica_failure
 from .telemetry import TelemetryPoller, TelemetrySource, open_telemetry
 from .workloads import Workload
 
-Subscriber = Callable[[Event], None]
 
 
-class Trainer:
+class Trainer(Publisher):
     def __init__(
         self,
         workload: Workload,
@@ -78,7 +77,7 @@ class Trainer:
         self._telemetry_interval = telemetry_interval
         self.checkpoint = Path(checkpoint) if checkpoint else None
 
-        self._subscribers: list[Subscriber] = []
+        super().__init__()
         self._lock = threading.Condition()
         self._paused = False
         self._stop = False
@@ -87,11 +86,6 @@ class Trainer:
         self._dp: DataParallel | None = None
 
     # -- steering, from any thread ---------------------------------------------
-
-    def subscribe(self, callback: Subscriber) -> Callable[[], None]:
-        """Receive every event; runs on the training (or telemetry) thread: keep it cheap."""
-        self._subscribers.append(callback)
-        return lambda: self._subscribers.remove(callback) if callback in self._subscribers else None
 
     def pause(self) -> None:
         with self._lock:
@@ -307,9 +301,6 @@ class Trainer:
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
                     state[key] = value.to(target)
 
-    def _publish(self, event: Event) -> None:
-        for callback in list(self._subscribers):
-            callback(event)
 
 
 class _RunState:

@@ -22,7 +22,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -34,6 +34,7 @@ from ..devices import DeviceLike, available_devices, device_name, resolve_device
 from ..events import (
     ConfigChanged,
     Event,
+    Publisher,
     RunConfig,
     RunFailed,
     RunFinished,
@@ -47,13 +48,12 @@ from .config import RankConfig, WorkloadSpec
 from .launcher import SpawnedGroup, TorchrunGroup, describe_exit, threads_per_rank
 from .torchrun import torchrun_env, torchrun_session
 
-Subscriber = Callable[[Event], None]
 
 _POLL_S = 0.1
 FAILURE_GRACE_S = 2.0  # after a "peer went away" error, how long to wait for the real culprit
 
 
-class DdpTrainer:
+class DdpTrainer(Publisher):
     """Same API as `dpengine.trainer.Trainer`, on DistributedDataParallel: one process per device.
 
     `workload` is a `WorkloadSpec` (model target, dataset target, seed), since each rank builds
@@ -126,7 +126,7 @@ class DdpTrainer:
             self._available = tuple(device_name(d) for d in chosen)
         self.backend = "nccl" if self._devices[0].startswith("cuda") else "gloo"
 
-        self._subscribers: list[Subscriber] = []
+        super().__init__()
         self._lock = threading.Lock()
         self._paused = False
         self._stop = False
@@ -139,11 +139,6 @@ class DdpTrainer:
         self._store: dist.TCPStore | None = None
 
     # -- steering, from any thread ---------------------------------------------------
-
-    def subscribe(self, callback: Subscriber) -> Callable[[], None]:
-        """Receive every event; runs on the thread that called run(): keep it cheap."""
-        self._subscribers.append(callback)
-        return lambda: self._subscribers.remove(callback) if callback in self._subscribers else None
 
     def pause(self) -> None:
         with self._lock:
@@ -479,6 +474,3 @@ class DdpTrainer:
             traceback=f"rank {rank}'s output ended with:\n{tail}" if tail else "",
         )
 
-    def _publish(self, event: Event) -> None:
-        for callback in list(self._subscribers):
-            callback(event)
