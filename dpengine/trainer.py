@@ -34,6 +34,7 @@ from .events import (
     TelemetrySampled,
 )
 from .parallel_apply import replica_failure
+from .records import StepRecord
 from .telemetry import TelemetryPoller, TelemetrySource, open_telemetry
 from .workloads import Workload
 
@@ -271,21 +272,13 @@ class Trainer(Publisher):
         optimizer.step()
         loss_value = loss.item()
         seconds = time.perf_counter() - step_started
-        rows = len(indices)
-        run.after_step(rows, loss_value)
+        run.after_step(len(indices), loss_value)
         self._publish(
-            StepFinished(
-                epoch=run.epoch,
-                step=run.step,
-                step_in_epoch=run.step_in_epoch,
-                steps_in_epoch=run.step_in_epoch + math.ceil((len(dataset) - run.position) / self._batch_size),
-                batch_size=rows,
+            run.step_event(
+                len(indices), loss_value, samples=len(dataset), batch_size=self._batch_size, seconds=seconds,
                 input_shape=tuple(inputs.shape) if isinstance(inputs, torch.Tensor) else (),
                 output_shape=tuple(output.shape) if isinstance(output, torch.Tensor) else (),
-                loss=loss_value,
-                samples_per_s=rows / seconds if seconds > 0 else 0.0,
                 record=self._dp.last_step,
-                seconds=time.perf_counter() - run.started,
             )
         )
 
@@ -332,6 +325,29 @@ class _RunState:
         self.samples_seen += rows
         self._epoch_loss += loss * rows
         self._epoch_samples += rows
+
+    def step_event(
+        self, rows: int, loss: float, *, samples: int, batch_size: int, seconds: float,
+        input_shape: tuple[int, ...], output_shape: tuple[int, ...], record: StepRecord,
+    ) -> StepFinished:
+        """The event for the step after_step() just counted.
+
+        `samples` is the dataset size and `batch_size` the global batch from now on, which
+        together give the steps left in this epoch.
+        """
+        return StepFinished(
+            epoch=self.epoch,
+            step=self.step,
+            step_in_epoch=self.step_in_epoch,
+            steps_in_epoch=self.step_in_epoch + math.ceil((samples - self.position) / batch_size),
+            batch_size=rows,
+            input_shape=input_shape,
+            output_shape=output_shape,
+            loss=loss,
+            samples_per_s=rows / seconds if seconds > 0 else 0.0,
+            record=record,
+            seconds=time.perf_counter() - self.started,
+        )
 
     def end_epoch(self) -> EpochFinished:
         seconds = time.perf_counter() - self._epoch_started

@@ -6,7 +6,6 @@ user would, to see exit statuses, stderr and SIGINT handling end to end.
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
 import os
@@ -24,21 +23,7 @@ from dpengine.runlog import JsonLinesWriter
 from tui.cli import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, main
 
 
-def _load_fixture(name: str):
-    """A module from tests/fixtures, by path (no package import, so no clash with a PyPI `fixtures`)."""
-    path = Path(__file__).resolve().parent / "fixtures" / f"{name}.py"
-    module_name = f"dptui_tests_{name}"
-    if module_name in sys.modules:
-        return sys.modules[module_name]
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-_reference = _load_fixture("reference_loop")
-chunk_sizes = _reference.chunk_sizes
+from reference_loop import chunk_sizes
 
 ROOT = Path(__file__).resolve().parents[1]
 FIX = Path(__file__).resolve().parent / "fixtures" / "dptui_test_workloads.py"

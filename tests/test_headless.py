@@ -6,11 +6,8 @@ batches (100 samples, batch 30: 30, 30, 30, 10), never pasted from a run.
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import re
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -33,22 +30,7 @@ from tui.cli import main
 from tui.headless import TextPrinter, torch_size
 
 
-def _load_fixture(name: str):
-    """A module from tests/fixtures, by path (no package import, so no clash with a PyPI `fixtures`)."""
-    path = Path(__file__).resolve().parent / "fixtures" / f"{name}.py"
-    module_name = f"dptui_tests_{name}"
-    if module_name in sys.modules:
-        return sys.modules[module_name]
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-_reference = _load_fixture("reference_loop")
-chunk_sizes = _reference.chunk_sizes
-reference_run = _reference.reference_run
+from reference_loop import chunk_sizes, reference_run
 
 SEED_BATCHES = [30, 30, 30, 10]  # 100 samples at batch 30
 EPOCH_LINE = re.compile(r"^epoch (\d+): loss (\d+\.\d{6}), (\d+) steps, (\d+) samples, [\d,]+ samples/s$")

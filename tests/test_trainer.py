@@ -1,6 +1,6 @@
 """Trainer: the step loop, steering from other threads at step boundaries, events, checkpoints.
 
-Every run is checked against a plain single-process loop (tests/fixtures/reference_loop.py) on
+Every run is checked against a plain single-process loop (tests/reference_loop.py) on
 the same seed and batch order, so "the weights carry over" means: equal to what one process
 training the same batches would have, to float tolerance.
 """
@@ -8,9 +8,7 @@ training the same batches would have, to float tolerance.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -35,23 +33,7 @@ from dpengine.trainer import Trainer
 from dpengine.workloads import Workload, builtin_workload, load_workload
 
 
-def _load_fixture(name: str):
-    """A module from tests/fixtures, by path (no package import, so no clash with a PyPI `fixtures`)."""
-    path = Path(__file__).resolve().parent / "fixtures" / f"{name}.py"
-    module_name = f"dptui_tests_{name}"
-    if module_name in sys.modules:
-        return sys.modules[module_name]
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-_reference = _load_fixture("reference_loop")
-chunk_sizes = _reference.chunk_sizes
-clone_state = _reference.clone_state
-reference_run = _reference.reference_run
+from reference_loop import chunk_sizes, clone_state, reference_run
 
 FIXTURES = Path(__file__).parent / "fixtures" / "dptui_test_workloads.py"
 THREE = ["cpu:0", "cpu:1", "cpu:2"]

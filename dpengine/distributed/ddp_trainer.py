@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ..devices import device_name, parse_device
-from ..events import ConfigChanged, RunFinished, StateChanged, StepFinished, TelemetrySampled
+from ..events import ConfigChanged, RunFinished, StateChanged, TelemetrySampled
 from ..instrument import ReplicaProbe, tensors_of
 from ..records import StepRecord
 from ..scatter_gather import even_sizes
@@ -377,18 +377,9 @@ class RankLoop:
         )
         self._send(
             "event",
-            StepFinished(
-                epoch=run.epoch,
-                step=run.step,
-                step_in_epoch=run.step_in_epoch,
-                steps_in_epoch=run.step_in_epoch + math.ceil((len(dataset) - run.position) / self.batch),
-                batch_size=rows,
-                input_shape=input_shape,
-                output_shape=output_shape,
-                loss=loss_value,
-                samples_per_s=rows / seconds if seconds > 0 else 0.0,
-                record=record,
-                seconds=time.perf_counter() - run.started,
+            run.step_event(
+                rows, loss_value, samples=len(dataset), batch_size=self.batch, seconds=seconds,
+                input_shape=input_shape, output_shape=output_shape, record=record,
             ),
         )
         self._awaiting = run.step
