@@ -191,11 +191,11 @@ def _first_line(error: Exception) -> str:
 
 
 def _read_checkpoint(path: str) -> dict:
-    """The state --resume names; a UsageError unless it is a dptui checkpoint."""
-    import torch
+    """The state --resume names, read as the trainers read it; a UsageError unless it is a dptui checkpoint."""
+    from dpengine.trainer_base import load_checkpoint
 
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = load_checkpoint(path)
     except Exception as error:  # noqa: BLE001 - any unreadable file is the same usage error
         raise UsageError(f"--resume {path}: not a checkpoint torch can load ({_first_line(error)})") from None
     keys = ("model", "optimizer", "epoch", "position", "step")

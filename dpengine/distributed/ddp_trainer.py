@@ -42,7 +42,7 @@ from ..instrument import ReplicaProbe, tensors_of
 from ..records import StepRecord
 from ..scatter_gather import even_sizes
 from ..telemetry.sample import DeviceSample
-from ..trainer import _batch, _generator, _RunState, _to
+from ..trainer_base import RunState, batch_of, epoch_order, load_checkpoint, move_optimizer_state, to_device
 from .channel import error_report
 from .config import RankConfig
 
@@ -144,17 +144,15 @@ class RankLoop:
         model = self.workload.model
         model.to(self.device if self.device.type == "cuda" else "cpu")
         self.optimizer = self.workload.make_optimizer(cfg.lr)
-        self.run_state = _RunState(cfg.started)
+        self.run_state = RunState(cfg.started)
         if cfg.state is not None:
             self._restore_restart(Path(cfg.state), model)
         elif cfg.resume is not None:
-            saved = torch.load(cfg.resume, map_location="cpu", weights_only=True)
-            self.run_state.restore(saved, model, self.optimizer)
-            if cfg.explicit_lr:
-                # The saved optimizer state brings its own lr; an explicit --lr wins (as Trainer).
-                for group in self.optimizer.param_groups:
-                    group["lr"] = cfg.lr
-            self._move_optimizer_state()
+            # The saved optimizer state brings its own lr; an explicit --lr wins (as Trainer).
+            self.run_state.restore(
+                load_checkpoint(cfg.resume), model, self.optimizer, lr=cfg.lr if cfg.explicit_lr else None
+            )
+            move_optimizer_state(self.optimizer, self.device)
         # A rank's own randomness (dropout): reproducible, and not the same stream on every rank.
         torch.manual_seed((cfg.seed * 1_000_003 + 7919 * (self.rank + 1) + cfg.generation) % 2**63)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
@@ -192,7 +190,7 @@ class RankLoop:
         while epochs is None or run.epoch < epochs or run.position > 0:
             if run.position == 0:
                 run.begin_epoch()
-            order = torch.randperm(samples, generator=_generator(self.cfg.seed, run.epoch))
+            order = epoch_order(samples, self.cfg.seed, run.epoch)
             while run.position < samples:
                 decision = self._boundary()
                 if decision["action"] == "stop":
@@ -317,11 +315,11 @@ class RankLoop:
         mine = sizes[self.rank] if self.rank < len(sizes) else 0
         first = sum(sizes[: self.rank])
         if mine:
-            inputs, targets = _batch(dataset, indices[first : first + mine])
+            inputs, targets = batch_of(dataset, indices[first : first + mine])
         else:  # no chunk for this rank this step: the right structure, zero rows
-            inputs, targets = _no_rows(_batch(dataset, indices[:1]))
+            inputs, targets = _no_rows(batch_of(dataset, indices[:1]))
         if self.device.type == "cuda":
-            inputs, targets = _to(inputs, self.device), _to(targets, self.device)
+            inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
         loaded = time.perf_counter()
 
         probe = ReplicaProbe(self.rank, self.device, self.name, 0)
@@ -418,17 +416,10 @@ class RankLoop:
         state = torch.load(path, map_location="cpu", weights_only=True)
         model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        self._move_optimizer_state()
+        move_optimizer_state(self.optimizer, self.device)
         for key, value in state["run"].items():
             setattr(self.run_state, key, value)
         self.batch = int(state["batch_size"])
-
-    def _move_optimizer_state(self) -> None:
-        target = self.device if self.device.type == "cuda" else torch.device("cpu")
-        for entry in self.optimizer.state.values():
-            for key, value in entry.items():
-                if isinstance(value, torch.Tensor) and value.dim() > 0:
-                    entry[key] = value.to(target)
 
     # -- telemetry: each rank samples its own process / GPU ------------------------------
 

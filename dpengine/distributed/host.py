@@ -34,7 +34,6 @@ from ..devices import DeviceLike, available_devices, device_name, resolve_device
 from ..events import (
     ConfigChanged,
     Event,
-    Publisher,
     RunConfig,
     RunFailed,
     RunFinished,
@@ -43,7 +42,7 @@ from ..events import (
     TelemetrySampled,
 )
 from ..telemetry import TelemetryPoller, TelemetrySource
-from ..trainer import _check_batch_size, _failure
+from ..trainer_base import TrainerBase, check_batch_size, run_failed
 from .config import RankConfig, WorkloadSpec
 from .launcher import SpawnedGroup, TorchrunGroup, describe_exit, threads_per_rank
 from .torchrun import torchrun_env, torchrun_session
@@ -53,7 +52,7 @@ _POLL_S = 0.1
 FAILURE_GRACE_S = 2.0  # after a "peer went away" error, how long to wait for the real culprit
 
 
-class DdpTrainer(Publisher):
+class DdpTrainer(TrainerBase):
     """Same API as `dpengine.trainer.Trainer`, on DistributedDataParallel: one process per device.
 
     `workload` is a `WorkloadSpec` (model target, dataset target, seed), since each rank builds
@@ -88,24 +87,12 @@ class DdpTrainer(Publisher):
         built = workload.build()  # here for its name, size and defaults; ranks build their own
         self._workload_name = built.name
         self._samples = len(built.dataset)
-        # Not `self.resume`: that name is the resume() method the UI calls after pause().
-        self.resume_from = Path(resume) if resume else None
-        if batch_size is None and self.resume_from is not None:
-            # Resuming goes on at the batch size the run had, unless told otherwise (as Trainer).
-            saved = torch.load(self.resume_from, map_location="cpu", weights_only=True)
-            batch_size = saved.get("batch_size")
-            del saved
-        self._batch_size = _check_batch_size(batch_size if batch_size is not None else built.batch_size)
-        self._explicit_lr = lr is not None
-        if epochs is not None and epochs < 0:
-            raise ValueError(f"epochs must be 0 or more, not {epochs}")
-        self.epochs = epochs
-        self.lr = built.lr if lr is None else lr
-        self.seed = seed if seed is not None else int.from_bytes(os.urandom(4), "little")
+        # Each rank restores `resume` itself: read here only for its batch size, if none is given.
+        super().__init__(
+            built, batch_size=batch_size, epochs=epochs, lr=lr, seed=seed, telemetry=telemetry,
+            telemetry_interval=telemetry_interval, checkpoint=checkpoint, resume=resume, lock=threading.Lock(),
+        )
         del built
-        self._telemetry = telemetry
-        self._telemetry_interval = telemetry_interval
-        self.checkpoint = Path(checkpoint) if checkpoint else None
         self.timeout = float(timeout)
         self.startup_timeout = float(startup_timeout)
 
@@ -126,10 +113,6 @@ class DdpTrainer(Publisher):
             self._available = tuple(device_name(d) for d in chosen)
         self.backend = "nccl" if self._devices[0].startswith("cuda") else "gloo"
 
-        super().__init__()
-        self._lock = threading.Lock()
-        self._paused = False
-        self._stop = False
         self._seq = 0  # numbers batch/device requests; rank 0 acknowledges the newest it applied
         self._acked = 0
         self._wanted_batch: tuple[int, int] | None = None  # (batch, seq)
@@ -138,25 +121,10 @@ class DdpTrainer(Publisher):
         self._group: SpawnedGroup | TorchrunGroup | None = None
         self._store: dist.TCPStore | None = None
 
-    # -- steering, from any thread ---------------------------------------------------
-
-    def pause(self) -> None:
-        with self._lock:
-            self._paused = True
-            self._tell(("pause",))
-
-    def resume(self) -> None:
-        with self._lock:
-            self._paused = False
-            self._tell(("resume",))
-
-    def stop(self) -> None:
-        with self._lock:
-            self._stop = True
-            self._tell(("stop",))
+    # -- steering, from any thread (pause/resume/stop: TrainerBase) -------------------
 
     def set_batch_size(self, batch_size: int) -> None:
-        batch_size = _check_batch_size(batch_size)
+        batch_size = check_batch_size(batch_size)
         with self._lock:
             self._seq += 1
             self._wanted_batch = (batch_size, self._seq)
@@ -189,18 +157,6 @@ class DdpTrainer(Publisher):
             pass  # rank 0 is gone; the run loop reports why
 
     @property
-    def paused(self) -> bool:
-        return self._paused
-
-    @property
-    def stopping(self) -> bool:
-        return self._stop
-
-    @property
-    def batch_size(self) -> int:
-        return self._batch_size
-
-    @property
     def devices(self) -> tuple[str, ...]:
         return self._devices
 
@@ -228,17 +184,8 @@ class DdpTrainer(Publisher):
     # -- the run ------------------------------------------------------------------------
 
     def config(self) -> RunConfig:
-        return RunConfig(
-            workload=self._workload_name,
-            backend="ddp",
-            devices=self.devices,
-            available_devices=self.available_devices,
-            batch_size=self._batch_size,
-            epochs=self.epochs,
-            lr=self.lr,
-            seed=self.seed,
-            samples=self._samples,
-            device_names=tuple(self._label(d) for d in self._available),
+        return self._run_config(
+            self._workload_name, "ddp", self._samples, tuple(self._label(d) for d in self._available)
         )
 
     def _label(self, device: str) -> str:
@@ -266,7 +213,7 @@ class DdpTrainer(Publisher):
             poller = self._start_host_telemetry()
             result = self._supervise(started, state_dir)
         except Exception as error:  # noqa: BLE001 - reported as an event, the caller stays up
-            result = _failure(error)
+            result = run_failed(error)
         finally:
             self._end_group()
             self._store = None
