@@ -15,7 +15,7 @@ from torch import nn
 from torch._utils import ExceptionWrapper
 
 from .devices import DeviceLike, default_devices, device_name, parse_device, resolve_devices
-from .instrument import BackwardCountdown, ReplicaProbe, shapes_of, tensors_of
+from .instrument import BackwardCountdown, ReplicaProbe, shapes_of
 from .parallel_apply import ThreadState, WorkerPool, reraise, run_in_state
 from .records import StepRecord
 from .replicate import replicate
@@ -135,21 +135,25 @@ class DataParallel(nn.Module):
             # torch's shortcut: one device runs the module itself, on the caller's thread.
             replicas = [self.module]
             replicated = time.perf_counter()
-            outputs = [self._run_replica(0, replicas[0], args[0], kwargs_list[0], probes, pending)]
+            outputs = [self._run_replica(0, replicas[0], args[0], kwargs_list[0], probes)]
             applied = time.perf_counter()
             output = outputs[0]
         else:
             replicas = replicate(self.module, devices)
             replicated = time.perf_counter()
-            outputs = self._parallel_apply(replicas, args, kwargs_list, slots, probes, pending)
+            outputs = self._parallel_apply(replicas, args, kwargs_list, slots, probes)
             applied = time.perf_counter()
             output = gather(outputs, self.output_device, self.dim)
         finished = time.perf_counter()
 
         if pending is not None:
+            replica_done = pending.countdown.replica_done
+            for probe, a, kw, out in zip(probes, args, kwargs_list, outputs):
+                probe.describe(a, kw, out, replica_done)
+            input_shapes = shapes_of((inputs, kwargs))
             pending.set_forward(
-                batch_size=_batch_rows(inputs, kwargs, self.dim),
-                input_shapes=shapes_of((inputs, kwargs)),
+                batch_size=input_shapes[0][self.dim] if input_shapes and input_shapes[0] else 0,
+                input_shapes=input_shapes,
                 output_shapes=shapes_of(output),
                 times=(scattered - started, replicated - scattered, applied - replicated,
                        finished - applied, finished - started),
@@ -157,7 +161,7 @@ class DataParallel(nn.Module):
             self._begin(pending)
         return output
 
-    def _parallel_apply(self, replicas, args, kwargs_list, slots, probes, pending) -> list[Any]:
+    def _parallel_apply(self, replicas, args, kwargs_list, slots, probes) -> list[Any]:
         if self._pool is None:
             self._pool = WorkerPool(self.devices)
             weakref.finalize(self, self._pool.close)
@@ -167,7 +171,7 @@ class DataParallel(nn.Module):
         for i, (slot, replica, a, kw) in enumerate(zip(slots, replicas, args, kwargs_list)):
             device = self.devices[slot]
             stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-            job = partial(run_replica, i, replica, a, kw, probes, pending)
+            job = partial(run_replica, i, replica, a, kw, probes)
             jobs.append((slot, partial(run_in_state, state, device, stream, job)))
         results = self._pool.run(jobs)
         for index, result in enumerate(results):
@@ -176,10 +180,10 @@ class DataParallel(nn.Module):
         return results
 
     @staticmethod
-    def _run_replica(index, replica, args, kwargs, probes, pending) -> Any:
+    def _run_replica(index, replica, args, kwargs, probes) -> Any:
         if probes is None:
             return replica(*args, **kwargs)
-        return probes[index].run(replica, args, kwargs, pending.countdown.replica_done)
+        return probes[index].measure(replica, args, kwargs)
 
     def _check_module_device(self) -> None:
         src = self.src_device_obj
@@ -267,11 +271,6 @@ def _notify_backward_done(owner_ref: weakref.ref, pending_ref: weakref.ref) -> N
     owner, pending = owner_ref(), pending_ref()
     if owner is not None and pending is not None:
         owner._on_backward_done(pending)
-
-
-def _batch_rows(inputs: tuple, kwargs: dict, dim: int) -> int:
-    tensors = tensors_of((inputs, kwargs))
-    return tensors[0].size(dim) if tensors and tensors[0].dim() > 0 else 0
 
 
 def _parse_output_device(spec: DeviceLike) -> torch.device:

@@ -6,10 +6,11 @@ Memory: on CPU the bytes of tensors the replica saved for backward
 (saved_tensors_hooks, counted once per storage); on CUDA `memory_allocated` after
 the forward and the step's peak.
 Backward: after the forward, the worker walks the replica's autograd graph (from
-its outputs down to the scatter, the parameters and the broadcast) and hooks each
-node. A replica's backward time is the time spent inside its own nodes (CPU), or
-from its first node's start to its last node's end on its stream (CUDA). This costs
-two Python calls per node, paid only when a backward runs.
+its outputs down to the scatter, the parameters and the broadcast) and hooks its
+output nodes and its frontier nodes (see BackwardTimer). A replica's backward time
+is the span from its first node's start to its last node's end: host clock on CPU,
+events on its stream on CUDA. It includes what autograd runs inside that span,
+such as accumulating the replica's gradients into the parameters.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from .records import ReplicaRecord, Shape
 # Graph nodes a replica does not own: parameters' AccumulateGrad (shared by all
 # replicas on CPU) and torch's Broadcast (the replicate step on CUDA).
 _FOREIGN_NODES = frozenset({"AccumulateGrad", "BroadcastBackward"})
-_MAX_HOOKED_NODES = 20_000
+_MAX_WALKED_NODES = 20_000
 
 
 def tensors_of(obj: Any) -> list[torch.Tensor]:
@@ -72,82 +73,90 @@ class _SavedBytes:
         return tensor
 
 
-class _Clock:
-    """Start/stop timing for one device kind: host clock on CPU, CUDA events on GPU."""
+class _CudaSpan:
+    """Two CUDA events on the current stream: recorded without a sync, read when the record is built."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        if self.cuda:
-            self._start = torch.cuda.Event(enable_timing=True)
-            self._end = torch.cuda.Event(enable_timing=True)
-        self._t0 = self._t1 = 0.0
+    def __init__(self) -> None:
+        self._start = torch.cuda.Event(enable_timing=True)
+        self._end = torch.cuda.Event(enable_timing=True)
 
     def start(self) -> None:
-        if self.cuda:
-            self._start.record()
-        else:
-            self._t0 = time.perf_counter()
+        self._start.record()
 
     def stop(self) -> None:
-        if self.cuda:
-            self._end.record()
-        else:
-            self._t1 = time.perf_counter()
+        self._end.record()
 
     def elapsed_ms(self) -> float:
-        if self.cuda:
-            self._end.synchronize()
-            return self._start.elapsed_time(self._end)
-        return (self._t1 - self._t0) * 1000.0
+        self._end.synchronize()
+        return self._start.elapsed_time(self._end)
+
+
+def _owned(node: Any, boundary: set[Any]) -> bool:
+    """Whether an autograd node belongs to the replica's own graph."""
+    return node is not None and node not in boundary and type(node).__name__ not in _FOREIGN_NODES
 
 
 class BackwardTimer:
-    """Hooks a replica's autograd nodes and sums the time spent in them."""
+    """Times one replica's backward: from its first output node's start to its last frontier node's end.
+
+    Only two kinds of node are hooked: the replica's output nodes (a pre-hook: the start) and
+    its frontier nodes, whose inputs all lie outside the replica (parameters, the scatter), with
+    a post-hook counting down to the end. Every other node of the replica lies on a path from
+    an output node to a frontier node, so it runs inside that span; hooking every node (two
+    Python calls each per step) cost more than the 2% this instrumentation may take.
+    """
 
     def __init__(self, device: torch.device, on_done: Callable[[], None]) -> None:
-        self._device = device
         self._on_done = on_done
-        self._nodes_left = 0
-        self._started_at = 0.0
-        self._total = 0.0
+        self._frontier_left = 0
         self.first_start: float | None = None
         self.last_end: float | None = None
-        self._cuda_span = _Clock(device) if device.type == "cuda" else None
+        self._cuda_span = _CudaSpan() if device.type == "cuda" else None
         self.done = False
 
-    def attach(self, outputs: Any, boundary: set[Any]) -> int:
-        """Hook every node owned by the replica; returns how many were hooked."""
-        stack = [t.grad_fn for t in tensors_of(outputs) if t.grad_fn is not None]
-        seen: set[Any] = set()
-        before, after = self._before, self._after  # bound once, not once per node
-        while stack and len(seen) < _MAX_HOOKED_NODES:
+    def attach(self, outputs: Any, boundary: set[Any]) -> bool:
+        """Hook the replica's graph below `outputs`, down to `boundary`; False if it has no node."""
+        roots = []
+        for tensor in tensors_of(outputs):
+            node = tensor.grad_fn
+            if _owned(node, boundary) and node not in roots:
+                roots.append(node)
+        if not roots:
+            return False
+        seen = set(roots)
+        stack = roots.copy()
+        frontier = []
+        while stack:
             node = stack.pop()
-            if node is None or node in seen or node in boundary:
-                continue
-            if type(node).__name__ in _FOREIGN_NODES:
-                continue
-            seen.add(node)
-            node.register_prehook(before)
-            node.register_hook(after)
+            inner = False
             for next_node, _ in node.next_functions:
-                stack.append(next_node)
-        self._nodes_left = len(seen)
-        return self._nodes_left
+                if _owned(next_node, boundary):
+                    inner = True
+                    if next_node not in seen:
+                        seen.add(next_node)
+                        stack.append(next_node)
+            if not inner:
+                frontier.append(node)
+            if len(seen) > _MAX_WALKED_NODES:
+                return False  # too big to walk every step: left untimed rather than timed wrong
+        for node in roots:
+            node.register_prehook(self._start)
+        end = self._end  # bound once, not once per node
+        for node in frontier:
+            node.register_hook(end)
+        self._frontier_left = len(frontier)
+        return True
 
-    def _before(self, grad_outputs: Any) -> None:
-        now = time.perf_counter()
+    def _start(self, grad_outputs: Any) -> None:
         if self.first_start is None:
-            self.first_start = now
+            self.first_start = time.perf_counter()
             if self._cuda_span is not None:
                 self._cuda_span.start()
-        self._started_at = now
 
-    def _after(self, grad_inputs: Any, grad_outputs: Any) -> None:
-        now = time.perf_counter()
-        self._total += now - self._started_at
-        self.last_end = now
-        self._nodes_left -= 1
-        if self._nodes_left == 0 and not self.done:
+    def _end(self, grad_inputs: Any, grad_outputs: Any) -> None:
+        self._frontier_left -= 1
+        if self._frontier_left == 0 and not self.done:
+            self.last_end = time.perf_counter()
             if self._cuda_span is not None:
                 self._cuda_span.stop()
             self.done = True
@@ -156,11 +165,17 @@ class BackwardTimer:
     def elapsed_ms(self) -> float:
         if self._cuda_span is not None:
             return self._cuda_span.elapsed_ms()
-        return self._total * 1000.0
+        return (self.last_end - self.first_start) * 1000.0
 
 
 class ReplicaProbe:
-    """Measures one replica's forward; runs in the replica's worker thread."""
+    """Measures one replica's forward.
+
+    `measure` runs in the replica's worker thread and does only what must happen there (the
+    clock, the saved-tensor hooks, CUDA memory); `describe` runs in the caller once every
+    replica has finished (shapes, the backward hooks). Python in a worker competes for the GIL
+    with the other replicas on every op they launch; the caller, after the join, has it alone.
+    """
 
     def __init__(self, index: int, device: torch.device, name: str, dim: int) -> None:
         self.index = index
@@ -168,50 +183,63 @@ class ReplicaProbe:
         self.name = name
         self.dim = dim
         self.backward: BackwardTimer | None = None
-        self._clock = _Clock(device)
-        self._saved = _SavedBytes()
+        self._cuda_clock = _CudaSpan() if device.type == "cuda" else None
+        self._forward_s = 0.0
+        self._saved: _SavedBytes | None = None
         self._memory = 0
         self._peak: int | None = None
         self._chunk = 0
         self._input_shapes: tuple[Shape, ...] = ()
         self._output_shapes: tuple[Shape, ...] = ()
 
-    def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, on_backward_done) -> Any:
+    def measure(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """fn(*args, **kwargs), timed; in the replica's thread."""
+        clock = self._cuda_clock
+        if clock is None:
+            saved = self._saved = _SavedBytes()
+            started = time.perf_counter()
+            with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+                output = fn(*args, **kwargs)
+            self._forward_s = time.perf_counter() - started
+            return output
+        torch.cuda.reset_peak_memory_stats(self.device)
+        clock.start()
+        output = fn(*args, **kwargs)
+        clock.stop()
+        self._memory = torch.cuda.memory_allocated(self.device)
+        self._peak = torch.cuda.max_memory_allocated(self.device)
+        return output
+
+    def describe(self, args: tuple, kwargs: dict, output: Any, on_backward_done: Callable[[], None]) -> None:
+        """Note shapes and, under grad, hook the replica's graph; in the caller, after the forward."""
         inputs = tensors_of((args, kwargs))
         self._input_shapes = tuple(tuple(t.shape) for t in inputs)
         self._chunk = inputs[0].size(self.dim) if inputs and inputs[0].dim() > 0 else 0
-        cuda = self.device.type == "cuda"
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
-        self._clock.start()
-        if cuda:
-            output = fn(*args, **kwargs)
-        else:
-            with torch.autograd.graph.saved_tensors_hooks(self._saved.pack, self._saved.unpack):
-                output = fn(*args, **kwargs)
-        self._clock.stop()
-        if cuda:
-            self._memory = torch.cuda.memory_allocated(self.device)
-            self._peak = torch.cuda.max_memory_allocated(self.device)
-        else:
-            self._memory = self._saved.total
         self._output_shapes = shapes_of(output)
+        if self._saved is not None:
+            self._memory = self._saved.total
         if torch.is_grad_enabled():
-            boundary = {t.grad_fn for t in inputs if t.grad_fn is not None}
+            boundary = {t.grad_fn for t in inputs}
             timer = BackwardTimer(self.device, on_backward_done)
             if timer.attach(output, boundary):
                 self.backward = timer
+
+    def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, on_backward_done) -> Any:
+        """measure and describe in one, for a replica run on the caller's own thread."""
+        output = self.measure(fn, args, kwargs)
+        self.describe(args, kwargs, output, on_backward_done)
         return output
 
     def record(self) -> ReplicaRecord:
         backward = self.backward
+        clock = self._cuda_clock
         return ReplicaRecord(
             index=self.index,
             device=self.name,
             chunk_size=self._chunk,
             input_shapes=self._input_shapes,
             output_shapes=self._output_shapes,
-            forward_ms=self._clock.elapsed_ms(),
+            forward_ms=clock.elapsed_ms() if clock is not None else self._forward_s * 1000.0,
             memory_bytes=self._memory,
             peak_memory_bytes=self._peak,
             backward_ms=backward.elapsed_ms() if backward is not None and backward.done else None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
+import time
 
 import pytest
 import torch
@@ -88,6 +89,45 @@ def test_replica_records_describe_each_replica(make_dp, count: int) -> None:
     assert done.backward_ms is not None and done.backward_ms > 0
     assert all(r.backward_ms is not None and r.backward_ms >= 0 for r in done.replicas)
     assert done.backward_ms >= max(r.backward_ms for r in done.replicas) * 0.999
+
+
+class _SlowBackwardForRows(torch.autograd.Function):
+    """Identity whose backward sleeps when its gradient has `rows` rows."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, rows: int, seconds: float) -> torch.Tensor:
+        ctx.rows, ctx.seconds = rows, seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if grad.size(0) == ctx.rows:
+            time.sleep(ctx.seconds)
+        return grad, None, None
+
+
+class _SlowInTheMiddle(nn.Module):
+    """Linear -> Tanh -> slow identity -> Linear: the slow node is neither an output nor a frontier node."""
+
+    def __init__(self, rows: int, seconds: float) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(5, 8), nn.Linear(8, 2)
+        self.rows, self.seconds = rows, seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.tanh(self.first(x))
+        return self.second(_SlowBackwardForRows.apply(hidden, self.rows, self.seconds))
+
+
+def test_backward_time_goes_to_the_replica_that_spent_it(make_dp) -> None:
+    seconds = 0.08
+    dp = make_dp(_SlowInTheMiddle(rows=6, seconds=seconds), cpus(3), chunk_sizes=[2, 6, 2])
+    dp(torch.randn(10, 5)).sum().backward()
+    step = dp.last_step
+    slow, *others = (step.replicas[1], step.replicas[0], step.replicas[2])
+    assert slow.chunk_size == 6 and slow.backward_ms >= seconds * 1000
+    assert all(r.backward_ms < seconds * 1000 for r in others)
+    assert step.backward_ms >= slow.backward_ms
 
 
 def test_records_are_frozen() -> None:
