@@ -30,7 +30,7 @@ from tui.screens.devices import DevicesScreen
 from tui.screens.help import HelpScreen
 from tui.session import Session
 from tui.state import LOG_EVERY_S, DeviceView, RunView, model_lines
-from tui.widgets.device_panel import DevicePanel, render_body
+from tui.widgets.device_panel import DevicePanel, body_lines
 
 from ui_fakes import FixedTelemetry, ScriptedTrainer, demo_events, factory_of, gpu_sample, split, step_event
 
@@ -135,7 +135,8 @@ def test_a_failure_is_an_error_notice_and_a_log_line_naming_the_replica():
 
 def panel_text(view: DeviceView) -> str:
     console = Console(width=60, file=io.StringIO(), record=True)
-    console.print(render_body(view))
+    for line in body_lines(view, 60):
+        console.print(line)
     return console.export_text()
 
 
@@ -151,6 +152,19 @@ def test_a_gpu_panel_shows_nvml_figures_or_why_they_are_missing():
     assert "n/a (no permission)" in panel_text(dataclasses.replace(view, sample=no_sensors))
     lost = dataclasses.replace(sample, lost=True, missing={"device": "GPU is lost"})
     assert "GPU is lost" in panel_text(dataclasses.replace(view, sample=lost))
+
+
+@pytest.mark.parametrize(("chunk", "batch"), [(10, 30), (15, 15), (1, 30), (29, 30)])
+def test_a_panels_chunk_bar_fills_the_width_in_proportion(chunk: int, batch: int):
+    view = DeviceView(0, "cpu:0", "virtual", True, chunk=chunk, step_batch=batch)
+    width = 40
+    line = body_lines(view, width)[0]
+    assert line.cell_len == width and line.plain.startswith(f"chunk {chunk}/{batch} ")
+    complete = sum(s.end - s.start for s in line.spans if s.style == "bar.complete")
+    back = sum(s.end - s.start for s in line.spans if s.style == "bar.back")
+    room = width - len(f"chunk {chunk}/{batch} ")
+    assert complete + back == room
+    assert abs(complete - room * chunk / batch) <= 1
 
 
 def test_session_refuses_what_the_trainer_cannot_do():
@@ -449,6 +463,25 @@ async def test_footer_and_help_list_every_key_and_l_hides_the_log():
         assert not app.log_view.display
         await pilot.press("l")
         assert app.log_view.display
+        await pilot.press("q")
+
+
+async def test_log_lines_scroll_the_log_without_laying_out_the_screen(monkeypatch):
+    app, trainer = scripted_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await started(pilot, trainer)
+        layouts = []
+        original = type(app.screen)._refresh_layout
+        monkeypatch.setattr(type(app.screen), "_refresh_layout",
+                            lambda screen, *a, **k: (layouts.append(1), original(screen, *a, **k))[1])
+        log = app.log_view
+        for n in range(3 * log.size.height):
+            log.write(f"line {n}")
+        await pilot.pause()
+        await pilot.pause()
+        assert layouts == []
+        assert log.max_scroll_y > 0 and log.scroll_y == log.max_scroll_y  # follows its end
+        assert log.vertical_scrollbar.window_virtual_size == log.virtual_size.height == len(log.lines)
         await pilot.press("q")
 
 

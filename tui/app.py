@@ -2,10 +2,9 @@
 
 Threads: the trainer runs in a Textual thread worker; its subscriber (`RunView.feed`)
 only stores the latest values. A 10 Hz timer on the UI pulls a snapshot and updates the
-widgets in one batch, so however fast steps run the screen costs the same. The log is
-flushed at 2 Hz: each write re-lays out the whole screen (RichLog's virtual size changes),
-which at 10 Hz cost about as much again as everything else. Steering calls are
-thread-safe trainer methods applied at the next step boundary.
+widgets in one batch, so however fast steps run the screen costs the same; the log is
+flushed at 2 Hz. Steering calls are thread-safe trainer methods applied at the next step
+boundary.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal
 from textual.screen import ModalScreen
-from textual.widgets import Footer, RichLog
+from textual.widgets import Footer
 from textual.worker import Worker, WorkerCancelled, WorkerFailed
 
 from dpengine.events import RunFailed, RunFinished
@@ -33,6 +32,7 @@ from .session import Session
 from .state import RunView
 from .widgets.device_grid import DeviceGrid
 from .widgets.history import HistoryChart
+from .widgets.run_log import RunLog
 from .widgets.status_bar import StatusBar
 
 if TYPE_CHECKING:
@@ -95,7 +95,7 @@ class DptuiApp(App[None]):
         self.devices = DeviceGrid(id="devices")
         self.loss_chart = HistoryChart("loss", id="loss")
         self.throughput_chart = HistoryChart("samples/s", id="throughput")
-        self.log_view = RichLog(id="log", max_lines=2000, min_width=20, wrap=True, markup=False)
+        self.log_view = RunLog(id="log", max_lines=2000, min_width=20, wrap=True, markup=False)
 
     def compose(self) -> ComposeResult:
         yield self.status

@@ -2,35 +2,34 @@
 
 from __future__ import annotations
 
-from rich.console import Group, RenderableType
-from rich.progress_bar import ProgressBar
-from rich.table import Table
+from rich.style import Style
 from rich.text import Text
-from textual.app import ComposeResult
-from textual.containers import Horizontal, Vertical
-from textual.widgets import Label, Sparkline, Static
 
 from .. import format as fmt
 from ..state import DeviceView
-
+from .spark import spark_rows
+from .text_lines import TextLines
 
 LABEL_WIDTH = 5
-
-Row = RenderableType  # one line of the panel
+BAR_COMPLETE = "bar.complete"  # Rich's own progress-bar styles: the look of its ProgressBar
+BAR_BACK = "bar.back"
 
 
 def _line(label: str, *parts: Text | str) -> Text:
     return Text.assemble((f"{label:<{LABEL_WIDTH}} ", "dim"), *parts, no_wrap=True, overflow="ellipsis")
 
 
-def _bar_line(label: str, value: str, total: float, completed: float) -> Table:
-    # A grid only where a bar needs the rest of the width: whole-panel tables cost 3x to render.
-    row = Table.grid(padding=(0, 1), expand=True)
-    row.add_column(style="dim", width=LABEL_WIDTH, no_wrap=True)
-    row.add_column(no_wrap=True)
-    row.add_column(ratio=1)
-    row.add_row(label, value, ProgressBar(total=max(total, 1), completed=completed))
-    return row
+def _bar_line(label: str, value: str, total: float, completed: float, width: int) -> Text:
+    """label, value, then a bar over the rest of the width (drawn as Rich's ProgressBar draws it)."""
+    line = _line(label, value, " ")
+    room = max(width - line.cell_len, 0)
+    halves = int(2 * room * min(max(completed / max(total, 1), 0.0), 1.0))
+    full, half = divmod(halves, 2)
+    line.append("━" * full + "╸" * half, BAR_COMPLETE)
+    rest = room - full - half
+    if rest:
+        line.append(("╺" + "━" * (rest - 1)) if full and not half else "━" * rest, BAR_BACK)
+    return line
 
 
 def _timing(last: float | None, smoothed: float | None) -> Text:
@@ -44,7 +43,7 @@ def _missing(view: DeviceView, name: str) -> Text:
     return Text(f"n/a ({reason})", style="dim")
 
 
-def _telemetry_lines(view: DeviceView) -> list[Row]:
+def _telemetry_lines(view: DeviceView, width: int) -> list[Text]:
     """Utilisation first: a short terminal shows a panel's first lines only."""
     sample = view.sample
     if sample is None:
@@ -55,7 +54,7 @@ def _telemetry_lines(view: DeviceView) -> list[Row]:
     if view.device.startswith("cpu"):
         # One process hosts every virtual device: memory is its RSS, no sensors to show, and
         # a device without a replica thread would only echo the whole process's CPU figure.
-        lines: list[Row] = [_line("cpu", util or _missing(view, "utilization_pct"))] if view.active else []
+        lines = [_line("cpu", util or _missing(view, "utilization_pct"))] if view.active else []
         return [*lines, _line("rss", fmt.size(sample.memory_used_bytes))]
     temperature, power = sample.temperature_c, sample.power_w
     lines = [_line(
@@ -66,37 +65,50 @@ def _telemetry_lines(view: DeviceView) -> list[Row]:
     )]
     if sample.memory_used_bytes is not None and sample.memory_total_bytes:
         used = fmt.sizes(sample.memory_used_bytes, sample.memory_total_bytes, "/")
-        lines.append(_bar_line("used", used, sample.memory_total_bytes, sample.memory_used_bytes))
+        lines.append(_bar_line("used", used, sample.memory_total_bytes, sample.memory_used_bytes, width))
     else:
         lines.append(_line("used", _missing(view, "memory_used_bytes")))
     return lines
 
 
-def render_body(view: DeviceView) -> Group:
+def body_lines(view: DeviceView, width: int) -> list[Text]:
+    """The panel's lines above its step times, most telling first (a short panel shows the first few)."""
     if view.chunk is not None and view.step_batch:
-        chunk: Row = _bar_line("chunk", f"{view.chunk}/{view.step_batch}", view.step_batch, view.chunk)
+        chunk = _bar_line("chunk", f"{view.chunk}/{view.step_batch}", view.step_batch, view.chunk, width)
     else:
         chunk = _line("chunk", Text("not in the last step" if view.active else "not in the run", style="dim"))
     if view.peak_memory_bytes is not None and view.memory_bytes is not None:
         memory = _line("alloc", fmt.sizes(view.memory_bytes, view.peak_memory_bytes, " pk "))
     else:
         memory = _line("saved", fmt.size(view.memory_bytes))  # CPU: bytes saved for backward
-    return Group(
+    return [
         chunk,
         _line("fwd", _timing(view.forward_ms, view.forward_ema)),
         _line("bwd", _timing(view.backward_ms, view.backward_ema)),
-        *_telemetry_lines(view),
+        *_telemetry_lines(view, width),
         memory,
-    )
+    ]
 
 
-class DevicePanel(Vertical):
-    """Dimmed while the device is out of the run; `.chunk` is what the panel shows, for tests."""
+def steps_line(view: DeviceView, width: int, style: Style | str = "") -> Text:
+    """The replica's recent step times (forward + backward) as a sparkline."""
+    room = max(width - LABEL_WIDTH - 1, 0)
+    bars = spark_rows(view.step_ms, room)[0] if view.step_ms else ""
+    return _line("step", Text(bars, style=style))
+
+
+class DevicePanel(TextLines):
+    """Dimmed while the device is out of the run; `.chunk` is what the panel shows, for tests.
+
+    One widget drawing its own lines, not a tree of Statics, tables and Sparklines (each
+    widget and table costs at every refresh). The step sparkline stays on the last line
+    whatever the panel's height.
+    """
+
+    COMPONENT_CLASSES = {"devicepanel--steps"}
 
     def __init__(self, view: DeviceView) -> None:
         super().__init__()  # no id: a rebuilt grid mounts new panels before the old are gone
-        self._body = Static(classes="body")
-        self._steps = Sparkline(classes="steps")
         self.view: DeviceView | None = None
         self.show(view)
 
@@ -104,17 +116,10 @@ class DevicePanel(Vertical):
     def chunk(self) -> int | None:
         return self.view.chunk if self.view else None
 
-    def compose(self) -> ComposeResult:
-        yield self._body
-        with Horizontal(classes="step-row"):
-            yield Label("step", classes="label")
-            yield self._steps
-
     def show(self, view: DeviceView) -> None:
         old, self.view = self.view, view
         if view == old:
             return
-        # The frame changes rarely; redrawing it every tick would repaint the whole panel.
         frame = (view.name, view.active, view.pending, bool(view.sample and view.sample.lost))
         if old is None or frame != (old.name, old.active, old.pending, bool(old.sample and old.sample.lost)):
             title = f"{view.index + 1} {view.device}"
@@ -123,6 +128,15 @@ class DevicePanel(Vertical):
             self.set_class(not view.active, "-inactive")
             self.set_class(bool(view.pending), "-pending")
             self.set_class(frame[3], "-lost")
-        self._body.update(render_body(view), layout=False)  # fixed height: a repaint, not a layout
-        if old is None or view.step_ms != old.step_ms:
-            self._steps.data = list(view.step_ms)
+        self.changed()
+
+    def component_styles(self) -> tuple[Style, ...]:
+        return (self.get_component_rich_style("devicepanel--steps"),)
+
+    def lines(self, width: int, height: int) -> list[Text]:
+        if self.view is None or height <= 0:
+            return []
+        lines = body_lines(self.view, width)[: height - 1]
+        lines += [Text()] * (height - 1 - len(lines))
+        lines.append(steps_line(self.view, width, self.get_component_rich_style("devicepanel--steps")))
+        return lines

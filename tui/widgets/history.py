@@ -1,27 +1,42 @@
-"""A titled Sparkline of a run's history (loss, throughput)."""
+"""A titled sparkline of a run's history (loss, throughput): the title line, then the chart."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from statistics import fmean
 
-from textual.app import ComposeResult
-from textual.containers import Vertical
-from textual.widgets import Label, Sparkline
+from rich.style import Style
+from rich.text import Text
+
+from .spark import spark_rows
+from .text_lines import TextLines
 
 
-class HistoryChart(Vertical):
+class HistoryChart(TextLines):
+    """Redrawn in place (a repaint, never a layout) each time the history grows.
+
+    The chart folds the whole history (means per column) into the width it has.
+    """
+
+    COMPONENT_CLASSES = {"historychart--title", "historychart--chart"}
+
     def __init__(self, title: str, *, id: str) -> None:
         super().__init__(id=id)
         self._title = title
-        self._label = Label(title, classes="label")
-        # Mean, not Sparkline's default max: one slow step should not flatten a column's story.
-        self._spark = Sparkline(classes="chart", summary_function=fmean)
-
-    def compose(self) -> ComposeResult:
-        yield self._label
-        yield self._spark
+        self._latest = ""
+        self._data: tuple[float, ...] = ()
 
     def show(self, latest: str, data: Sequence[float]) -> None:
-        self._label.update(f"{self._title} {latest}", layout=False)
-        self._spark.data = list(data)
+        data = tuple(data)
+        if (latest, data) != (self._latest, self._data):
+            self._latest, self._data = latest, data
+            self.changed()
+
+    def component_styles(self) -> tuple[Style, ...]:
+        return (self.get_component_rich_style("historychart--title"),
+                self.get_component_rich_style("historychart--chart"))
+
+    def lines(self, width: int, height: int) -> list[Text]:
+        title_style, chart_style = self.component_styles()
+        title = Text(f"{self._title} {self._latest}", style=title_style, no_wrap=True, overflow="ellipsis")
+        rows = spark_rows(self._data, width, height - 1) if self._data else []
+        return [title, *(Text(row, style=chart_style) for row in rows)]
