@@ -485,6 +485,21 @@ async def test_log_lines_scroll_the_log_without_laying_out_the_screen(monkeypatc
         await pilot.press("q")
 
 
+async def test_a_panel_repaints_only_the_lines_that_changed(monkeypatch):
+    app, trainer = scripted_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await started(pilot, trainer)
+        panel = app.query(DevicePanel).first()
+        await pilot.pause()
+        repainted = []
+        monkeypatch.setattr(panel, "refresh", lambda *regions, **kw: repainted.append(regions))
+        panel.show(dataclasses.replace(panel.view))  # equal: nothing to do
+        assert repainted == []
+        panel.show(dataclasses.replace(panel.view, forward_ms=panel.view.forward_ms + 1.0))
+        assert len(repainted) == 1 and [r.y for r in repainted[0]] == [1]  # the fwd line alone
+        await pilot.press("q")
+
+
 async def test_the_device_grid_reflows_with_the_terminal():
     app, trainer = scripted_app(tuple(f"cpu:{i}" for i in range(6)), DEVICES)
     async with app.run_test(size=(160, 40)) as pilot:

@@ -3,8 +3,8 @@
 Threads: the trainer runs in a Textual thread worker; its subscriber (`RunView.feed`)
 only stores the latest values. A 10 Hz timer on the UI pulls a snapshot and updates the
 widgets in one batch, so however fast steps run the screen costs the same; the log is
-flushed at 2 Hz. Steering calls are thread-safe trainer methods applied at the next step
-boundary.
+flushed once a second. Steering calls are thread-safe trainer methods applied at the next
+step boundary.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 TrainerFactory = Callable[[], "Trainer"]
 
 REFRESH_S = 0.1
-LOG_REFRESH_S = 0.5
+LOG_REFRESH_S = 1.0  # new lines scroll the log, which repaints all of it
 LOG_STYLES = {"model": "", "event": "cyan", "error": "bold red"}
 
 # Actions of plain keys: off while a dialog is open, so typing there cannot steer (or quit:

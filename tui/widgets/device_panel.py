@@ -130,9 +130,6 @@ class DevicePanel(TextLines):
             self.set_class(frame[3], "-lost")
         self.changed()
 
-    def component_styles(self) -> tuple[Style, ...]:
-        return (self.get_component_rich_style("devicepanel--steps"),)
-
     def lines(self, width: int, height: int) -> list[Text]:
         if self.view is None or height <= 0:
             return []

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from rich.style import Style
 from rich.text import Text
 
 from .spark import spark_rows
@@ -31,12 +30,9 @@ class HistoryChart(TextLines):
             self._latest, self._data = latest, data
             self.changed()
 
-    def component_styles(self) -> tuple[Style, ...]:
-        return (self.get_component_rich_style("historychart--title"),
-                self.get_component_rich_style("historychart--chart"))
-
     def lines(self, width: int, height: int) -> list[Text]:
-        title_style, chart_style = self.component_styles()
+        title_style = self.get_component_rich_style("historychart--title")
+        chart_style = self.get_component_rich_style("historychart--chart")
         title = Text(f"{self._title} {self._latest}", style=title_style, no_wrap=True, overflow="ellipsis")
         rows = spark_rows(self._data, width, height - 1) if self._data else []
         return [title, *(Text(row, style=chart_style) for row in rows)]
