@@ -18,7 +18,7 @@ from .devices import DeviceLike, default_devices, device_name, parse_device, res
 from .instrument import BackwardCountdown, ReplicaProbe, shapes_of
 from .parallel_apply import ThreadState, WorkerPool, reraise, run_in_state
 from .records import StepRecord
-from .replicate import replicate
+from .replicate import replicate, sum_gradients_in_place
 from .scatter_gather import Split, gather, scatter_kwargs
 
 StepCallback = Callable[[StepRecord], None]
@@ -142,6 +142,9 @@ class DataParallel(nn.Module):
             replicas = replicate(self.module, devices)
             replicated = time.perf_counter()
             outputs = self._parallel_apply(replicas, args, kwargs_list, slots, probes)
+            if self.src_device_obj.type == "cpu":
+                # The replicas share the Parameters: let autograd sum their gradients in place.
+                sum_gradients_in_place(self.module, outputs, args, kwargs_list)
             applied = time.perf_counter()
             output = gather(outputs, self.output_device, self.dim)
         finished = time.perf_counter()
