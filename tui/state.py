@@ -34,7 +34,7 @@ from . import format as fmt
 EMA_ALPHA = 0.2
 HISTORY_POINTS = 240  # loss and throughput; a Sparkline folds them to its width
 STEP_POINTS = 60  # per-device step times
-LOG_EVERY_S = 0.1  # model lines of at most ~10 steps a second
+LOG_EVERY_S = 1.0  # model lines of one step a second: each log line costs the UI's CPU
 EPOCH_LOG_EVERY_S = 0.5  # fast epochs would drown everything else
 MAX_PENDING_LOG = 500  # lines kept while the UI is not pulling (bounded memory)
 
