@@ -27,7 +27,9 @@ from .records import ReplicaRecord, Shape
 # Graph nodes a replica does not own: parameters' AccumulateGrad (shared by all
 # replicas on CPU) and torch's Broadcast (the replicate step on CUDA).
 _FOREIGN_NODES = frozenset({"AccumulateGrad", "BroadcastBackward"})
-_MAX_WALKED_NODES = 20_000
+# A replica graph walked after every forward: past this many nodes the walk would cost more
+# than it tells, so the walkers stop (the step is left untimed, or summed as autograd does).
+MAX_WALKED_NODES = 20_000
 
 
 def tensors_of(obj: Any) -> list[torch.Tensor]:
@@ -137,7 +139,7 @@ class BackwardTimer:
                         stack.append(next_node)
             if not inner:
                 frontier.append(node)
-            if len(seen) > _MAX_WALKED_NODES:
+            if len(seen) > MAX_WALKED_NODES:
                 return False  # too big to walk every step: left untimed rather than timed wrong
         for node in roots:
             node.register_prehook(self._start)

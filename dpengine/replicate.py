@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import replicate as _cuda_replicate
 
-from .instrument import tensors_of
+from .instrument import MAX_WALKED_NODES, tensors_of
 
 
 def replicate(module: nn.Module, devices: Sequence[torch.device]) -> list[nn.Module]:
@@ -83,7 +83,6 @@ def _copy(module: nn.Module, share_buffers: bool) -> nn.Module:
 # cost about 0.3 ms a step there (4 replicas, 8 hooked nodes), so only parameters of at least
 # MIN_SUMMED_BYTES take part: for smaller ones the extra tensor is not worth a Python call.
 MIN_SUMMED_BYTES = 1 << 20
-_MAX_WALKED_NODES = 20_000
 _ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad
 
 
@@ -133,7 +132,7 @@ def sum_gradients_in_place(
             if positions:
                 node.register_hook(_detach_hook(tuple(positions)))
                 hooked += 1
-            if len(seen) > _MAX_WALKED_NODES:
+            if len(seen) > MAX_WALKED_NODES:
                 return hooked  # too big to walk every step: the rest is summed as before
     return hooked
 
