@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import threading
+import time
 
 from dpengine.events import RunFailed, RunFinished, StepFinished
 from dpengine.trainer import Trainer
@@ -33,6 +34,7 @@ class Collector:
         self.steps: list[StepFinished] = []
         self.result: RunFinished | RunFailed | None = None
         self.done = threading.Event()
+        self.ui_cores: float | None = None  # the UI thread's CPU time over wall time (app runs only)
 
     def __call__(self, event) -> None:
         if isinstance(event, StepFinished):
@@ -91,10 +93,15 @@ def ui_run(epochs: int, timeout: float = 300.0, refresh_interval: float | None =
         async with app.run_test(size=(120, 40)):
             loop = asyncio.get_running_loop()
             deadline = loop.time() + timeout
+            since: tuple[float, float] | None = None  # UI thread CPU and wall clock from the steps timed
             while not collector.done.is_set():
+                if since is None and len(collector.steps) >= SKIP_STEPS:
+                    since = (time.thread_time(), time.perf_counter())
                 if loop.time() > deadline:
                     raise TimeoutError("the run under the UI did not finish")
                 await asyncio.sleep(0.05)
+            if since is not None:  # this (the main) thread is the app's UI thread
+                collector.ui_cores = (time.thread_time() - since[0]) / (time.perf_counter() - since[1])
             app.session.stop()
 
     asyncio.run(main())
@@ -136,6 +143,10 @@ def run(quick: bool = False) -> Section:
         ratio = overall[mode] / overall["headless"] if mode != "headless" else None
         section.rows.append(Row("5 UI", case + ", whole-run throughput", labels[mode], overall[mode],
                                 "samples/s", n=rounds, ratio=ratio, ratio_of="of headless" if ratio else ""))
+    for mode in ("ui", "ui_1hz"):
+        cores = statistics.median(c.ui_cores for c in runs[mode] if c.ui_cores is not None)
+        section.rows.append(Row("5 UI", case + ", the UI thread's CPU while training", labels[mode], cores,
+                                "cores", n=rounds))
     ratio = per_step["ui"] / per_step["headless"]
     same_thread = per_step["ui"] / per_step["headless_thread"]
     slow = f"; refreshing at 1 Hz {per_step['ui_1hz'] / per_step['headless_thread']:.1%} of threaded headless"
