@@ -196,9 +196,7 @@ class RunState:
             "batch_size": batch_size,
             "seed": seed,  # the data and batch order to continue with (`--resume` without `--seed`)
         }
-        partial = path.with_name(path.name + ".partial")
-        torch.save(state, partial)
-        os.replace(partial, path)  # never leave a half-written checkpoint behind
+        save_checkpoint(state, path)
 
     def restore(self, state: dict, model, optimizer, lr: float | None = None) -> None:
         """Go on from a checkpoint's state; `lr`, when given, replaces the saved optimizer's."""
@@ -214,6 +212,13 @@ class RunState:
             return
         # Mid-epoch: go on in the same epoch; begin_epoch() already ran for it.
         self._epoch_started = time.perf_counter()
+
+
+def save_checkpoint(state: dict, path: Path) -> None:
+    """Write `state` to `path` whole or not at all: never a half-written checkpoint."""
+    partial = path.with_name(path.name + ".partial")
+    torch.save(state, partial)
+    os.replace(partial, path)
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict:

@@ -42,7 +42,15 @@ from ..instrument import ReplicaProbe, tensors_of
 from ..records import StepRecord
 from ..scatter_gather import even_sizes
 from ..telemetry.sample import DeviceSample
-from ..trainer_base import RunState, batch_of, epoch_order, load_checkpoint, move_optimizer_state, to_device
+from ..trainer_base import (
+    RunState,
+    batch_of,
+    epoch_order,
+    load_checkpoint,
+    move_optimizer_state,
+    save_checkpoint,
+    to_device,
+)
 from .channel import error_report
 from .config import RankConfig
 
@@ -403,9 +411,7 @@ class RankLoop:
             "batch_size": decision["batch"],
         }
         path = Path(self.cfg.state_dir) / f"state-{self.cfg.generation + 1}.pt"
-        partial = path.with_name(path.name + ".partial")
-        torch.save(state, partial)
-        os.replace(partial, path)
+        save_checkpoint(state, path)
         self._send(
             "restart",
             {"devices": decision["devices"], "batch_size": decision["batch"], "state": str(path),
@@ -413,7 +419,7 @@ class RankLoop:
         )
 
     def _restore_restart(self, path: Path, model: torch.nn.Module) -> None:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = load_checkpoint(path)
         model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         move_optimizer_state(self.optimizer, self.device)
