@@ -20,6 +20,7 @@ from torch.utils.data import TensorDataset, default_collate
 from .events import EpochFinished, Publisher, RunConfig, RunFailed, StepFinished
 from .parallel_apply import replica_failure
 from .records import StepRecord
+from .run_protocol import ALL_CONTROLS
 from .telemetry import TelemetrySource
 from .workloads import Workload
 
@@ -29,7 +30,10 @@ class TrainerBase(Publisher):
 
     pause(), resume() and stop() come from any thread: each sets its flag under `lock`, then
     `_tell()`s the run loop, which acts on it at the next step boundary.
+    Subclasses are `dpengine.Run`s: they add set_batch_size, set_devices, devices, config and run.
     """
+
+    controls: frozenset[str] = ALL_CONTROLS
 
     def __init__(
         self,
@@ -99,6 +103,16 @@ class TrainerBase(Publisher):
     @property
     def batch_size(self) -> int:
         return self._batch_size
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """The devices in use now, in replica order."""
+        raise NotImplementedError
+
+    @property
+    def available_devices(self) -> tuple[str, ...]:
+        """What set_devices() may choose from."""
+        raise NotImplementedError
 
     def _run_config(self, workload: str, backend: str, samples: int, device_names: tuple[str, ...]) -> RunConfig:
         """The RunConfig of this run, given what only the subclass knows."""

@@ -19,6 +19,7 @@ from dpengine.events import (
     TelemetrySampled,
 )
 from dpengine.records import ReplicaRecord, StepRecord
+from dpengine.run_protocol import ALL_CONTROLS, BATCH_SIZE, DEVICES, PAUSE, ControlUnsupported
 from dpengine.telemetry.sample import DeviceSample
 
 GIB = 1024**3
@@ -120,15 +121,26 @@ def demo_events(
     return events
 
 
-class ScriptedTrainer:
-    """Publishes `events` from run(), then (with hold) waits for stop() like a paused run.
+_REFUSALS = {
+    PAUSE: "This run cannot be paused.",
+    BATCH_SIZE: "This run cannot change its batch size.",
+    DEVICES: "This run cannot change its devices.",
+}
 
-    Records the steering calls it gets, so tests can check what the UI asked for.
+
+class ScriptedTrainer:
+    """A `dpengine.Run` that publishes `events` from run(), then (with hold) waits for stop().
+
+    Records the steering calls it gets, so tests can check what the UI asked for; the
+    controls left out of `controls` raise ControlUnsupported, as a script or a replay would.
     """
 
-    def __init__(self, events: Sequence[Event], *, hold: bool = True) -> None:
+    def __init__(
+        self, events: Sequence[Event], *, hold: bool = True, controls: frozenset[str] = ALL_CONTROLS
+    ) -> None:
         self._events = list(events)
         self._hold = hold
+        self.controls = controls
         self._subscribers: list[Callable[[Event], None]] = []
         self._stopped = threading.Event()
         self.published = threading.Event()
@@ -151,11 +163,17 @@ class ScriptedTrainer:
             return last
         return RunFinished(final_loss=None, epochs=0, steps=0, samples=0, seconds=0.0, stopped=True)
 
+    def _offers(self, control: str) -> None:
+        if control not in self.controls:
+            raise ControlUnsupported(control, _REFUSALS[control])
+
     def pause(self) -> None:
+        self._offers(PAUSE)
         self.calls.append(("pause",))
         self.paused = True
 
     def resume(self) -> None:
+        self._offers(PAUSE)
         self.calls.append(("resume",))
         self.paused = False
 
@@ -164,14 +182,24 @@ class ScriptedTrainer:
         self._stopped.set()
 
     def set_batch_size(self, n: int) -> None:
+        self._offers(BATCH_SIZE)
         if n < 1:
             raise ValueError("batch size must be at least 1")
         self.calls.append(("set_batch_size", n))
 
     def set_devices(self, devices: Sequence[str]) -> None:
+        self._offers(DEVICES)
         if not devices:
             raise ValueError("no devices")
         self.calls.append(("set_devices", tuple(devices)))
+
+    def config(self) -> RunConfig:
+        started = next(e for e in self._events if isinstance(e, RunStarted))
+        return started.config
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        return self.config().devices
 
 
 def factory_of(*trainers: ScriptedTrainer) -> Callable[[], ScriptedTrainer]:

@@ -36,9 +36,9 @@ from .widgets.run_log import RunLog
 from .widgets.status_bar import StatusBar
 
 if TYPE_CHECKING:
-    from dpengine.trainer import Trainer
+    from dpengine.run_protocol import Run
 
-TrainerFactory = Callable[[], "Trainer"]
+TrainerFactory = Callable[[], "Run"]  # builds a fresh run: the threaded or DDP trainer, a script, a log
 
 REFRESH_S = 0.1
 LOG_REFRESH_S = 1.0  # new lines scroll the log, which repaints all of it

@@ -13,7 +13,12 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
+
+if TYPE_CHECKING:
+    from dpengine.run_protocol import Run
+
+RunFactory = Callable[[], "Run"]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -142,7 +147,7 @@ def _parse_devices(spec: str) -> tuple[tuple[str, ...], str]:
     return tuple(device_name(d) for d in devices), ""
 
 
-def make_trainer_factory(settings: Settings, headless: bool):
+def make_trainer_factory(settings: Settings, headless: bool) -> RunFactory:
     """Load and check the workload once (exit 2 if bad); the factory builds fresh trainers."""
     from dpengine.trainer import Trainer
     from dpengine.workloads import WorkloadError, check_workload, load_workload
@@ -213,7 +218,7 @@ def _check_checkpoint_fits(path: str, state: dict, workload, lr: float | None) -
         raise UsageError(f"--resume {path}: does not fit workload {workload.name!r} ({_first_line(error)})") from None
 
 
-def run_headless(settings: Settings, factory) -> int:
+def run_headless(settings: Settings, factory: RunFactory) -> int:
     from dpengine.events import RunFailed
     from dpengine.runlog import JsonLinesWriter
 
@@ -248,7 +253,7 @@ class _StdoutGuard:
     Without it the BrokenPipeError would reach the trainer as a training failure (exit 1).
     """
 
-    def __init__(self, callback: Callable, trainer) -> None:
+    def __init__(self, callback: Callable, trainer: Run) -> None:
         self._callback = callback
         self._trainer = trainer
         self.broken = False
@@ -291,7 +296,7 @@ class _log_file:
 class _stop_on_interrupt:
     """First Ctrl-C: stop at the next step boundary. Second: give up at once."""
 
-    def __init__(self, trainer) -> None:
+    def __init__(self, trainer: Run) -> None:
         self._trainer = trainer
         self._count = 0
         self._previous = None

@@ -1,8 +1,9 @@
-"""One run as the UI steers it: the trainer, its view, and the rules for each key.
+"""One run as the UI steers it: the run (any `dpengine.Run`), its view, and the rules for each key.
 
-The trainer is built on the worker thread (building a model or a CUDA context can take
+The run is built on the worker thread (building a model or a CUDA context can take
 seconds), so until it is attached every steering call says "still starting". Each steering
-method returns None when the change was handed to the trainer, or a sentence for the user.
+method returns None when the change was handed to the run, or a sentence for the user
+(also when the run does not offer that control: its `ControlUnsupported` says why).
 """
 
 from __future__ import annotations
@@ -14,17 +15,17 @@ from typing import TYPE_CHECKING
 from .state import RunView
 
 if TYPE_CHECKING:
-    from dpengine.trainer import Trainer
+    from dpengine.run_protocol import Run
 
 
 class Session:
     def __init__(self, view: RunView) -> None:
         self.view = view
         self._lock = threading.Lock()
-        self._trainer: Trainer | None = None
+        self._trainer: Run | None = None
         self._stopped = False
 
-    def attach(self, trainer: Trainer) -> bool:
+    def attach(self, trainer: Run) -> bool:
         """Hand over the freshly built trainer; False if the session was stopped meanwhile."""
         with self._lock:
             if self._stopped:
@@ -40,7 +41,7 @@ class Session:
         if trainer is not None:
             trainer.stop()
 
-    def _steerable(self) -> Trainer | str:
+    def _steerable(self) -> Run | str:
         with self._lock:
             trainer = self._trainer
         if trainer is None or not self.view.started:
@@ -53,12 +54,15 @@ class Session:
         trainer = self._steerable()
         if isinstance(trainer, str):
             return trainer
-        if self.view.target_paused():
-            trainer.resume()
-            self.view.request(state="running")
-        else:
-            trainer.pause()
-            self.view.request(state="paused")
+        try:
+            if self.view.target_paused():
+                trainer.resume()
+                self.view.request(state="running")
+            else:
+                trainer.pause()
+                self.view.request(state="paused")
+        except ValueError as err:
+            return str(err)
         return None
 
     def set_batch_size(self, n: int) -> str | None:

@@ -41,6 +41,7 @@ from ..events import (
     StepFinished,
     TelemetrySampled,
 )
+from ..run_protocol import ALL_CONTROLS, DEVICES, ControlUnsupported
 from ..telemetry import TelemetryPoller, TelemetrySource
 from ..trainer_base import TrainerBase, check_batch_size, run_failed
 from .config import RankConfig, WorkloadSpec
@@ -132,9 +133,10 @@ class DdpTrainer(TrainerBase):
 
     def set_devices(self, devices: Sequence[DeviceLike]) -> None:
         if self._torchrun is not None:
-            raise ValueError(
+            raise ControlUnsupported(
+                DEVICES,
                 "under torchrun the ranks are torchrun's: restart torchrun with other "
-                "--nproc-per-node / --nnodes to change the devices"
+                "--nproc-per-node / --nnodes to change the devices",
             )
         resolved = tuple(device_name(d) for d in resolve_devices(devices))
         unknown = [d for d in resolved if d not in self._available]
@@ -155,6 +157,10 @@ class DdpTrainer(TrainerBase):
             self._rank0.send(command)
         except OSError:
             pass  # rank 0 is gone; the run loop reports why
+
+    @property
+    def controls(self) -> frozenset[str]:
+        return ALL_CONTROLS - {DEVICES} if self._torchrun is not None else ALL_CONTROLS
 
     @property
     def devices(self) -> tuple[str, ...]:
