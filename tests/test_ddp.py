@@ -337,6 +337,27 @@ def test_under_torchrun_rank_0_runs_the_host_and_others_follow(tmp_path):
     assert finished[1]["final_loss"] == pytest.approx(expected.final_loss, abs=TOLERANCE)
 
 
+def test_the_readmes_torchrun_command_runs_dptui_on_rank_0():
+    # torchrun --standalone --nproc-per-node=2 -m tui.torchrun --headless --seed 1, made short.
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                "--max-restarts=0", "-m", "tui.torchrun", "--headless", "--seed", "5", "--every", "0",
+                "--no-telemetry"]
+    done = subprocess.run(torchrun, capture_output=True, text=True, timeout=90,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = Trainer(load_workload("seed", seed=5), ["cpu:0", "cpu:1"], seed=5, epochs=1,
+                       telemetry_interval=None).run()
+    assert f"final loss {expected.final_loss:.6f}" in done.stdout.splitlines()[-1]
+
+
+def test_tui_torchrun_outside_torchrun_says_how_to_start_it():
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    done = subprocess.run([sys.executable, "-m", "tui.torchrun", "--headless"], capture_output=True,
+                          text=True, timeout=60, env={**env, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()] and "torchrun" in done.stderr
+
+
 # -- CUDA -----------------------------------------------------------------------------------------
 
 

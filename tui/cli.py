@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--backend", default="dp", choices=["dp", "ddp"],
                         help="dp: threads in this process (default); ddp: DistributedDataParallel, "
                         "one process per device (gloo on CPU, nccl on CUDA); across machines run "
-                        "python -m dpengine.distributed.worker under torchrun")
+                        "python -m tui.torchrun under torchrun")
     parser.add_argument("--headless", action="store_true", help="no UI: print the run as text")
     parser.add_argument("--json", action="store_true", help="with --headless: JSON Lines events")
     parser.add_argument("--every", type=_int_at_least("--every", 0), default=1, metavar="N",

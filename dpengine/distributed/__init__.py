@@ -8,8 +8,8 @@
 `DdpTrainer` has `dpengine.trainer.Trainer`'s API and publishes its events, with one replica
 record per rank; for the same seed the chunks, the losses and the weights equal the threaded
 backend's. On one machine `run()` starts the rank processes itself (gloo on CPU, nccl on
-CUDA); across machines run `python -m dpengine.distributed.worker` under torchrun (see that
-module for the command).
+CUDA); across machines run `python -m tui.torchrun` under torchrun (see that module for the
+command); its other ranks call `worker.follow()`.
 
 Modules: `host` (DdpTrainer), `ddp_trainer` (one rank's loop), `launcher` (starting and
 ending ranks), `channel` (host <-> rank messages), `worker` (the rank entry point),

@@ -102,7 +102,7 @@ class DdpTrainer(TrainerBase):
             if self._torchrun.rank != 0:
                 raise RuntimeError(
                     "under torchrun DdpTrainer runs on rank 0 only; the other ranks run "
-                    "`python -m dpengine.distributed.worker`"
+                    "`python -m tui.torchrun` (or call dpengine.distributed.worker.follow)"
                 )
             kind = "cuda" if torch.cuda.is_available() else "cpu"
             self._devices = tuple(f"{kind}:{r}" for r in range(self._torchrun.world_size))

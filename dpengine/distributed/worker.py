@@ -1,35 +1,10 @@
-"""A rank process: `python -m dpengine.distributed.worker [dptui options]`.
+"""A rank process: `python -m dpengine.distributed.worker`, or `follow()` under torchrun.
 
-Two ways to be started:
-
-- By `DdpTrainer` on one machine (it sets DPTUI_DDP_FD): the rank reads its config from the
-  inherited socket, trains, and exits. Nothing to type: `dptui --backend ddp`.
-- By torchrun, across machines (or on one). Global rank 0 runs dptui itself, with its UI or
-  its headless printer and the options given (`--backend ddp` is implied); every other rank
-  waits for rank 0's run config on torchrun's TCPStore and trains, as often as rank 0 starts a
-  run (`r` in the UI restarts). Two machines with two GPUs each, the UI on the first
-  (10.0.0.1); static rendezvous, so that global rank 0 is on --node-rank 0:
-
-      # on 10.0.0.1 (this terminal shows the UI):
-      torchrun --nnodes=2 --nproc-per-node=2 --node-rank=0 \
-          --master-addr=10.0.0.1 --master-port=29500 --max-restarts=0 \
-          -m dpengine.distributed.worker --model mlp --epochs 5 --seed 1
-      # on the second machine, the same with --node-rank=1:
-      torchrun --nnodes=2 --nproc-per-node=2 --node-rank=1 \
-          --master-addr=10.0.0.1 --master-port=29500 --max-restarts=0 \
-          -m dpengine.distributed.worker --model mlp --epochs 5 --seed 1
-
-  Add --headless (or --headless --json) for no UI. On one machine:
-
-      torchrun --standalone --nproc-per-node=2 -m dpengine.distributed.worker --headless --seed 1
-
-  Under torchrun the devices are torchrun's: one rank per process, cuda:LOCAL_RANK with nccl
-  on a machine with GPUs, else the CPU with gloo. The UI names them cuda:RANK / cpu:RANK (global
-  ranks), ignores --devices and cannot change them from the keyboard (the batch size it can).
-  Model and dataset targets, and --resume, must resolve on every machine; --checkpoint is
-  written by rank 0. Ranks other than 0 print nothing (set DPTUI_RANK_OUTPUT=1 to see their
-  output); their errors reach rank 0, which names the rank and exits with status 1, and
-  torchrun then ends the others.
+- Spawned by `DdpTrainer` on one machine (it sets DPTUI_DDP_FD): the rank reads its config
+  from the inherited socket, trains, and exits. Nothing to type: `dptui --backend ddp`.
+- Under torchrun, every rank but 0 calls `follow()`: it waits for rank 0's run config on
+  torchrun's TCPStore and trains, as often as rank 0 starts a run. Rank 0 runs the host
+  (`DdpTrainer`), usually behind dptui: see `tui.torchrun` for the commands.
 """
 
 from __future__ import annotations
@@ -40,9 +15,8 @@ import signal
 import sys
 import time
 
-from . import torchrun as _torchrun
 from .channel import FD_ENV, PARENT_ENV, RANK_ENV, StoreBoard, inherited_channel
-from .torchrun import TorchrunEnv, TorchrunSession, torchrun_env
+from .torchrun import TorchrunEnv, torchrun_env
 
 REPORT_GRACE_S = 3.0  # a failed torchrun rank waits this long so rank 0 can name it first
 _POLL_S = 0.2
@@ -119,33 +93,17 @@ def follow(env: TorchrunEnv) -> int:
         run += 1
 
 
-def _rank0(argv: list[str]) -> int:
-    from tui.cli import main as cli_main
-
-    if not any(a == "--backend" or a.startswith("--backend=") for a in argv):
-        argv = ["--backend", "ddp", *argv]
-    try:
-        return cli_main(argv)
-    finally:
-        session = _torchrun.current_session()
-        (session or TorchrunSession(torchrun_env())).quit()
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def main() -> int:
     if FD_ENV in os.environ:
         return run_spawned()
     env = torchrun_env()
-    if env is None:
+    if env is None or env.rank == 0:
         print(
-            "dpengine.distributed.worker: run me under torchrun "
-            "(torchrun --standalone --nproc-per-node=2 -m dpengine.distributed.worker --headless), "
-            "or use dptui --backend ddp on one machine",
+            "dpengine.distributed.worker: DdpTrainer starts me; under torchrun run "
+            "`torchrun ... -m tui.torchrun [dptui options]`, which puts dptui on rank 0",
             file=sys.stderr,
         )
         return 2
-    if env.rank == 0:
-        return _rank0(argv)
     return follow(env)
 
 
