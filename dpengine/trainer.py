@@ -15,10 +15,14 @@ from collections.abc import Sequence
 
 import torch
 
+from .batches import batch_of, move_optimizer_state, to_device
+from .checkpoint import Checkpoint, restore_run
 from .data_parallel import DataParallel
 from .devices import DeviceLike, available_devices, device_name, resolve_devices
+from .epoch_loop import Boundary, EpochLoop
 from .events import (
     ConfigChanged,
+    EpochFinished,
     RunConfig,
     RunFailed,
     RunFinished,
@@ -26,23 +30,16 @@ from .events import (
     StateChanged,
     TelemetrySampled,
 )
+from .failures import run_failed
+from .run_state import RunState
+from .steering import TrainerBase, check_batch_size
 from .telemetry import TelemetryPoller, TelemetrySource, open_telemetry
-from .trainer_base import (
-    RunState,
-    TrainerBase,
-    batch_of,
-    check_batch_size,
-    epoch_order,
-    load_checkpoint,
-    move_optimizer_state,
-    run_failed,
-    to_device,
-)
 from .workloads import Workload
 
 
+class Trainer(TrainerBase, EpochLoop):
+    """A `dpengine.Run` on the threaded DataParallel; pause takes effect in `_boundary()`."""
 
-class Trainer(TrainerBase):
     def __init__(
         self,
         workload: Workload,
@@ -56,30 +53,26 @@ class Trainer(TrainerBase):
         telemetry_interval: float | None = 1.0,
         available: Sequence[DeviceLike] | None = None,
         checkpoint: str | os.PathLike | None = None,
-        resume: str | os.PathLike | None = None,
+        resume: str | os.PathLike | Checkpoint | None = None,
     ) -> None:
+        """`resume`: a checkpoint file, or one already read (`dpengine.checkpoint.read_checkpoint`)."""
         self.workload = workload
         self._devices = resolve_devices(devices)
         self._available = resolve_devices(available) if available else available_devices(self._devices)
-        self._saved = load_checkpoint(resume) if resume else None  # restored when the run starts
         super().__init__(
             workload, batch_size=batch_size, epochs=epochs, lr=lr, seed=seed, telemetry=telemetry,
             telemetry_interval=telemetry_interval, checkpoint=checkpoint, resume=resume,
-            lock=threading.Condition(), saved=self._saved,
+            lock=threading.Condition(),
         )
-        self._wanted_batch: int | None = None
-        self._wanted_devices: list[torch.device] | None = None
         self._dp: DataParallel | None = None
 
     # -- steering, from any thread (pause/resume/stop: TrainerBase) -------------
 
-    def _tell(self, command: tuple) -> None:
+    def _tell(self, command: str) -> None:
         self._lock.notify_all()  # wakes _boundary(), which reads the flags itself
 
     def set_batch_size(self, batch_size: int) -> None:
-        batch_size = check_batch_size(batch_size)
-        with self._lock:
-            self._wanted_batch = batch_size
+        self._pending.ask(batch_size=check_batch_size(batch_size))
 
     def set_devices(self, devices: Sequence[DeviceLike]) -> None:
         resolved = resolve_devices(devices)
@@ -87,8 +80,7 @@ class Trainer(TrainerBase):
         if unknown:
             names = ", ".join(device_name(d) for d in self._available)
             raise ValueError(f"device {unknown[0]} is not available to this run (available: {names})")
-        with self._lock:
-            self._wanted_devices = resolved
+        self._pending.ask(devices=tuple(resolved))
 
     @property
     def devices(self) -> tuple[str, ...]:
@@ -97,10 +89,6 @@ class Trainer(TrainerBase):
     @property
     def available_devices(self) -> tuple[str, ...]:
         return tuple(device_name(d) for d in self._available)
-
-    @property
-    def has_pending_change(self) -> bool:
-        return self._wanted_batch is not None or self._wanted_devices is not None
 
     def worker_thread_ids(self) -> dict[str, int]:
         dp = self._dp
@@ -147,38 +135,16 @@ class Trainer(TrainerBase):
     def _train(self) -> RunFinished:
         model = self.workload.model
         self._move_model(self._devices[0])
-        optimizer = self.workload.make_optimizer(self.lr)
-        run = self._run
-        if self._saved is not None:
+        self._optimizer = self.workload.make_optimizer(self.lr)
+        if self.resume_from is not None:
             # The saved optimizer state brings its own lr; an explicit --lr wins.
-            run.restore(self._saved, model, optimizer, lr=self.lr if self._explicit_lr else None)
-            move_optimizer_state(optimizer, self._devices[0])
+            restore_run(self.resume_from, self._run, model, self._optimizer, self.lr if self._explicit_lr else None)
+            move_optimizer_state(self._optimizer, self._devices[0])
         self._dp = DataParallel(model, self._devices)
-        dataset = self.workload.dataset
-        samples = len(dataset)
-        stopped = False
-        while self.epochs is None or run.epoch < self.epochs or run.position > 0:
-            if run.position == 0:
-                run.begin_epoch()
-            order = epoch_order(samples, self.seed, run.epoch)
-            while run.position < samples:
-                if not self._boundary(optimizer):
-                    stopped = True
-                    break
-                indices = order[run.position : run.position + self._batch_size]
-                self._step(dataset, indices, optimizer)
-            if stopped:
-                break
-            self._publish(run.end_epoch())
-        if self.checkpoint is not None:
-            run.save(self.checkpoint, model, optimizer, self._batch_size, self.seed)
-        return RunFinished(
-            final_loss=run.final_loss(), epochs=run.epoch, steps=run.step, samples=run.samples_seen,
-            seconds=time.perf_counter() - run.started, stopped=stopped,
-        )
+        return self.train_epochs()
 
-    def _boundary(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Apply what other threads asked for; False when the run must stop."""
+    def _boundary(self) -> Boundary:
+        """Where pause, stop and pending changes take effect: between two steps."""
         with self._lock:
             if self._paused and not self._stop:
                 self._publish(StateChanged("paused"))
@@ -187,28 +153,30 @@ class Trainer(TrainerBase):
                 if not self._stop:
                     self._publish(StateChanged("running"))
             if self._stop:
-                return False
-            batch, devices = self._wanted_batch, self._wanted_devices
-            self._wanted_batch = self._wanted_devices = None
-        if batch is None and devices is None:
-            return True
-        if batch is not None:
-            self._batch_size = batch
-        if devices is not None and devices != self._devices:
-            self._switch_devices(devices, optimizer)
+                return Boundary.STOP
+            taken = self._pending.take()
+        if taken is None:
+            return Boundary.STEP
+        if taken.batch_size is not None:
+            self._batch_size = taken.batch_size
+        if taken.devices is not None and list(taken.devices) != self._devices:
+            self._switch_devices(list(taken.devices))
         self._publish(ConfigChanged(self._batch_size, self.devices, self._run.step + 1))
-        return True
+        return Boundary.STEP
 
-    def _switch_devices(self, devices: list[torch.device], optimizer: torch.optim.Optimizer) -> None:
+    def _epoch_finished(self, event: EpochFinished) -> None:
+        self._publish(event)
+
+    def _switch_devices(self, devices: list[torch.device]) -> None:
         if devices[0] != self._devices[0]:
             self._move_model(devices[0])
-            move_optimizer_state(optimizer, devices[0])
+            move_optimizer_state(self._optimizer, devices[0])
         self._dp.close()
         self._devices = devices
         self._dp = DataParallel(self.workload.model, devices)
 
-    def _step(self, dataset, indices: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
-        run = self._run
+    def _step(self, indices: torch.Tensor) -> None:
+        run, dataset, optimizer = self._run, self.workload.dataset, self._optimizer
         step_started = time.perf_counter()
         inputs, targets = batch_of(dataset, indices)
         if self._devices[0].type == "cuda":

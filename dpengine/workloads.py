@@ -35,6 +35,8 @@ from torch import Tensor, nn
 from torch.nn import Parameter
 from torch.utils.data import Dataset, IterableDataset, TensorDataset, default_collate
 
+from .failures import error_line, one_line
+
 LossFn = Callable[[Tensor, Tensor], Tensor]
 OptimizerFactory = Callable[[Iterable[Parameter], float], torch.optim.Optimizer]
 
@@ -47,7 +49,7 @@ class WorkloadError(ValueError):
     """A workload that cannot be built or does not fit together; always one line."""
 
     def __init__(self, message: str) -> None:
-        super().__init__(_one_line(message))
+        super().__init__(one_line(message))
 
 
 @dataclass(frozen=True, eq=False)
@@ -321,7 +323,7 @@ def _call_target(target: str, seed: int) -> Any:
     try:
         return factory(**kwargs)
     except (Exception, SystemExit) as exc:  # user code: report it, never crash the caller
-        raise WorkloadError(f"{target} raised {_exc(exc)}") from exc
+        raise WorkloadError(f"{target} raised {error_line(exc)}") from exc
 
 
 def _import_file(path: str) -> ModuleType:
@@ -344,7 +346,7 @@ def _import_file(path: str) -> ModuleType:
         raise WorkloadError(_syntax_error(exc, path, file)) from exc
     except (Exception, SystemExit) as exc:
         del sys.modules[name]
-        raise WorkloadError(f"importing {path} raised {_exc(exc)}") from exc
+        raise WorkloadError(f"importing {path} raised {error_line(exc)}") from exc
     return module
 
 
@@ -357,11 +359,11 @@ def _import_module(name: str) -> ModuleType:
                 f"module {name!r} not found; install it, run from the folder that holds it, "
                 f"or name a file: path/file.py:factory"
             ) from exc
-        raise WorkloadError(f"importing module {name!r} raised {_exc(exc)}") from exc
+        raise WorkloadError(f"importing module {name!r} raised {error_line(exc)}") from exc
     except SyntaxError as exc:
         raise WorkloadError(_syntax_error(exc, name, None)) from exc
     except (Exception, SystemExit) as exc:
-        raise WorkloadError(f"importing module {name!r} raised {_exc(exc)}") from exc
+        raise WorkloadError(f"importing module {name!r} raised {error_line(exc)}") from exc
 
 
 def _syntax_error(exc: SyntaxError, shown: str, file: Path | None) -> str:
@@ -406,7 +408,7 @@ def check_workload(workload: Workload, batch: int = 2) -> None:
     try:
         inputs, targets = default_collate(items)
     except Exception as exc:
-        raise WorkloadError(f"the first {count} dataset items cannot be batched: {_exc(exc)}") from exc
+        raise WorkloadError(f"the first {count} dataset items cannot be batched: {error_line(exc)}") from exc
 
     device = next(itertools.chain(model.parameters(), model.buffers()), torch.empty(0)).device
     inputs, targets = _to(inputs, device), _to(targets, device)
@@ -419,7 +421,7 @@ def check_workload(workload: Workload, batch: int = 2) -> None:
             except Exception as exc:
                 raise WorkloadError(
                     f"dataset items of shape {_shape(items[0][0])} do not fit the model: "
-                    f"{_exc(exc, with_type=False)}"
+                    f"{error_line(exc, with_type=False)}"
                 ) from exc
             with warnings.catch_warnings():
                 # A loss that only warns (MSE broadcasting (N, 1) against (N,)) would train on
@@ -430,7 +432,7 @@ def check_workload(workload: Workload, batch: int = 2) -> None:
                 except Exception as exc:
                     raise WorkloadError(
                         f"the loss does not accept model output of shape {_shape(output)} "
-                        f"and targets of shape {_shape(targets)}: {_exc(exc, with_type=False)}"
+                        f"and targets of shape {_shape(targets)}: {error_line(exc, with_type=False)}"
                     ) from exc
     finally:
         for module, training in flags:
@@ -443,7 +445,7 @@ def _item(dataset: Dataset, index: int, source: str) -> tuple[Any, Any]:
     try:
         item = dataset[index]
     except Exception as exc:
-        raise WorkloadError(f"reading item {index} of the dataset from {source} raised {_exc(exc)}") from exc
+        raise WorkloadError(f"reading item {index} of the dataset from {source} raised {error_line(exc)}") from exc
     if not isinstance(item, (tuple, list)) or len(item) != 2:
         raise WorkloadError(
             f"item {index} of the dataset from {source} is {_kind(item)}; expected an (input, target) pair"
@@ -457,20 +459,6 @@ def _to(value: Any, device: torch.device) -> Any:
     if isinstance(value, (tuple, list)):
         return type(value)(_to(v, device) for v in value)
     return value
-
-
-# --- message helpers -------------------------------------------------------------------------------
-
-
-def _one_line(text: str) -> str:
-    return " ".join(line.strip() for line in text.splitlines() if line.strip())
-
-
-def _exc(exc: BaseException, with_type: bool = True) -> str:
-    message = _one_line(str(exc))
-    if not with_type:
-        return message or type(exc).__name__
-    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
 
 
 def _shape(value: Any) -> str:

@@ -149,14 +149,19 @@ def _parse_devices(spec: str) -> tuple[tuple[str, ...], str]:
 
 def make_trainer_factory(settings: Settings, headless: bool) -> RunFactory:
     """Load and check the workload once (exit 2 if bad); the factory builds fresh trainers."""
+    from dpengine.checkpoint import CheckpointError, check_fits, read_checkpoint
     from dpengine.trainer import Trainer
     from dpengine.workloads import WorkloadError, check_workload, load_workload
 
     args = settings.args
-    saved = _read_checkpoint(args.resume) if args.resume else None
+    try:
+        # Read once: checked here, then handed to every run the factory builds.
+        resume = read_checkpoint(args.resume) if args.resume else None
+    except CheckpointError as error:
+        raise UsageError(f"--resume {error}") from None
     seed = args.seed
-    if seed is None and saved is not None and isinstance(saved.get("seed"), int):
-        seed = saved["seed"]  # resuming: the same data and batch order as the run that saved it
+    if seed is None and resume is not None:
+        seed = resume.seed  # resuming: the same data and batch order as the run that saved it
     if seed is None:
         seed = int.from_bytes(os.urandom(4), "little") >> 1
     try:
@@ -164,8 +169,11 @@ def make_trainer_factory(settings: Settings, headless: bool) -> RunFactory:
         check_workload(workload)
     except WorkloadError as error:
         raise UsageError(str(error)) from None
-    if saved is not None:
-        _check_checkpoint_fits(args.resume, saved, workload, args.lr)
+    if resume is not None:
+        try:
+            check_fits(resume, workload, args.lr)  # `workload` is a throwaway copy: this trains nothing
+        except CheckpointError as error:
+            raise UsageError(f"--resume {error}") from None
     epochs = args.epochs if args.epochs is not None else (1 if headless else None)
 
     def factory():
@@ -176,7 +184,7 @@ def make_trainer_factory(settings: Settings, headless: bool) -> RunFactory:
             seed=seed,
             telemetry_interval=None if args.no_telemetry else args.telemetry_interval,
             checkpoint=args.checkpoint,
-            resume=args.resume,
+            resume=resume,
         )
         if args.backend == "ddp":
             from dpengine.distributed import DdpTrainer, WorkloadSpec
@@ -187,35 +195,6 @@ def make_trainer_factory(settings: Settings, headless: bool) -> RunFactory:
         return Trainer(load_workload(args.model, args.dataset, seed=seed), settings.devices, **common)
 
     return factory
-
-
-def _first_line(error: Exception) -> str:
-    text = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
-    text = text if len(text) <= 200 else text[:197] + "..."
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
-
-
-def _read_checkpoint(path: str) -> dict:
-    """The state --resume names, read as the trainers read it; a UsageError unless it is a dptui checkpoint."""
-    from dpengine.trainer_base import load_checkpoint
-
-    try:
-        state = load_checkpoint(path)
-    except Exception as error:  # noqa: BLE001 - any unreadable file is the same usage error
-        raise UsageError(f"--resume {path}: not a checkpoint torch can load ({_first_line(error)})") from None
-    keys = ("model", "optimizer", "epoch", "position", "step")
-    if not isinstance(state, dict) or any(key not in state for key in keys):
-        raise UsageError(f"--resume {path}: not a dptui checkpoint (expected the keys {', '.join(keys)})")
-    return state
-
-
-def _check_checkpoint_fits(path: str, state: dict, workload, lr: float | None) -> None:
-    # `workload` is the throwaway copy made for checking: loading into it trains nothing.
-    try:
-        workload.model.load_state_dict(state["model"])
-        workload.make_optimizer(lr).load_state_dict(state["optimizer"])
-    except Exception as error:  # noqa: BLE001 - a mismatch of any kind
-        raise UsageError(f"--resume {path}: does not fit workload {workload.name!r} ({_first_line(error)})") from None
 
 
 def run_headless(settings: Settings, factory: RunFactory) -> int:
@@ -233,10 +212,10 @@ def run_headless(settings: Settings, factory: RunFactory) -> int:
             print(settings.note, flush=True)
         stdout = _StdoutGuard(TextPrinter(every=args.every), trainer)
     trainer.subscribe(stdout)
-    with _log_file(args.log) as log:
+    with _LogFile(args.log) as log:
         if log is not None:
             trainer.subscribe(JsonLinesWriter(log))
-        with _stop_on_interrupt(trainer) as interrupted:
+        with _StopOnInterrupt(trainer) as interrupted:
             result = trainer.run()
     if stdout.broken:
         # Output piped into e.g. `head`, which has read enough: not an error of ours.
@@ -278,7 +257,7 @@ def _silence_stdout() -> None:
         pass
 
 
-class _log_file:
+class _LogFile:
     def __init__(self, path: str | None) -> None:
         self._path = path
         self._file = None
@@ -293,7 +272,7 @@ class _log_file:
             self._file.close()
 
 
-class _stop_on_interrupt:
+class _StopOnInterrupt:
     """First Ctrl-C: stop at the next step boundary. Second: give up at once."""
 
     def __init__(self, trainer: Run) -> None:

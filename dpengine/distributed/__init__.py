@@ -11,13 +11,14 @@ backend's. On one machine `run()` starts the rank processes itself (gloo on CPU,
 CUDA); across machines run `python -m tui.torchrun` under torchrun (see that module for the
 command); its other ranks call `worker.follow()`.
 
-Modules: `host` (DdpTrainer), `ddp_trainer` (one rank's loop), `launcher` (starting and
-ending ranks), `channel` (host <-> rank messages), `worker` (the rank entry point),
-`torchrun`, `config`.
+Modules: `ddp_trainer` (DdpTrainer, the host: handles every rank's message), `rank_loop`
+(one rank's loop), `messages` (what host and ranks say), `channel` (the sockets and store
+they say it over), `launcher` (starting and ending ranks), `worker` (the rank process's
+entry), `torchrun` (what torchrun tells a process), `config` (what every rank is handed).
 """
 
 from .config import RankConfig, WorkloadSpec
-from .host import DdpTrainer
+from .ddp_trainer import DdpTrainer
 from .torchrun import torchrun_env
 
 __all__ = ["DdpTrainer", "RankConfig", "WorkloadSpec", "torchrun_env"]

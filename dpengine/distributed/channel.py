@@ -14,16 +14,7 @@ receive each run's config through torch's TCPStore on MASTER_ADDR:MASTER_PORT
 Per-rank step records do not travel here: every rank sends its record to rank 0 with
 `torch.distributed.gather_object`, and rank 0 sends the assembled step to the host.
 
-Messages are tuples whose first item names them:
-
-  rank -> host:  ("event", Event, acked_seq)        an event to publish as is
-                 ("finished", RunFinished, acked_seq)
-                 ("restart", dict, acked_seq)        device change: state saved, ranks exit
-                 ("error", dict)                     see `error_report`
-  host -> rank:  ("config", RankConfig)              first message to every spawned rank
-                 ("pause",) ("resume",) ("stop",)    to rank 0
-                 ("batch", n, seq) ("devices", names, seq)
-                 ("published", step)                 step N's subscribers have run
+The messages themselves are frozen dataclasses: see `messages.py`.
 """
 
 from __future__ import annotations
@@ -37,6 +28,9 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 
 import torch.distributed as dist
+
+from ..failures import error_line
+from .messages import ErrorReport
 
 FD_ENV = "DPTUI_DDP_FD"  # the inherited socket of a spawned rank
 RANK_ENV = "DPTUI_DDP_RANK"
@@ -70,20 +64,18 @@ def is_comm_error(error: BaseException) -> bool:
     return isinstance(error, (RuntimeError, OSError, ConnectionError)) and any(w in text for w in _COMM_WORDS)
 
 
-def error_report(error: BaseException, rank: int, device: str, phase: str) -> dict:
-    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
-    # torch's C++ errors end with the useful line; user errors usually have one line anyway.
-    message = lines[-1] if lines else ""
-    return {
-        "rank": rank,
-        "device": device,
-        "error_type": type(error).__name__,
-        "message": message,
-        "phase": phase,  # setup, step, save, ...
-        "comm": is_comm_error(error),
-        "traceback": "".join(traceback.format_exception(error)),
-        "time": time.time(),
-    }
+def error_report(error: BaseException, rank: int, device: str, phase: str) -> ErrorReport:
+    return ErrorReport(
+        rank=rank,
+        device=device,
+        error_type=type(error).__name__,
+        # torch's C++ errors end with the useful line; user errors usually have one line anyway.
+        message=error_line(error, with_type=False, pick="last") if str(error).strip() else "",
+        phase=phase,
+        comm=is_comm_error(error),
+        traceback="".join(traceback.format_exception(error)),
+        time=time.time(),
+    )
 
 
 # -- torchrun --------------------------------------------------------------------------------
@@ -115,11 +107,11 @@ class StoreBoard:
 
     # Run n's keys: run/<n> (its RankConfig), run<n>/errors (a counter), run<n>/error/<rank>.
 
-    def report_error(self, run: int, report: dict) -> None:
-        self.set(f"run{run}/error/{report['rank']}", report)
+    def report_error(self, run: int, report: ErrorReport) -> None:
+        self.set(f"run{run}/error/{report.rank}", report)
         self.count(f"run{run}/errors", 1)
 
-    def errors(self, run: int, world_size: int) -> dict[int, dict]:
+    def errors(self, run: int, world_size: int) -> dict[int, ErrorReport]:
         if self.count(f"run{run}/errors") == 0:
             return {}
         found = {}

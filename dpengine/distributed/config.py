@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..pending import Change
 from ..workloads import Workload, load_workload
 
 
@@ -53,7 +54,7 @@ class RankConfig:
     generation: int = 0  # 0, then +1 per device change
     paused: bool = False  # steering state carried into this generation
     stop: bool = False
-    commands: tuple[tuple, ...] = ()  # steering commands not yet applied, oldest first
+    changes: tuple[Change, ...] = ()  # batch size / device changes not yet applied, oldest first
     store: tuple[str, int] | None = None  # the host's TCPStore (spawned ranks); None under torchrun
     store_prefix: str = ""  # this generation's keys on it
     torchrun: bool = False  # each rank's own device is cuda:LOCAL_RANK (names may differ)

@@ -1,542 +1,414 @@
-"""One rank of the DDP backend: the threaded Trainer's loop, one process per device.
+"""DdpTrainer: the threaded Trainer's API and events, with one process per device.
 
-Every rank walks the same shuffled order of global batches (`torch.randperm` seeded by the
-run's seed and the epoch, as `Trainer`) and takes its chunk of each global batch by
-torch.chunk's rule (`even_sizes`), so rank r gets what replica r gets in the threaded
-backend. A rank's loss is its chunk's loss times world_size * chunk / batch: DDP averages
-gradients over ranks, so the result is the gradient of the whole batch's mean loss, as the
-threaded backend computes it (for a loss that is a mean over rows, as every built-in
-one is). A rank left without a chunk (batch 2 on 3 ranks) runs its model on zero rows and
-contributes a zero gradient, so every rank still joins every all-reduce.
+`run()` runs in the caller's thread, on the host side of the run: it starts the ranks
+(`SpawnedGroup` on one machine; under torchrun rank 0's loop runs in a thread of this
+process), publishes what rank 0 sends (steps with one `ReplicaRecord` per rank, epochs,
+telemetry, state and config changes), and forwards steering to rank 0, which applies it at
+the next step boundary in every rank. A device change ends the ranks at a boundary, after
+rank 0 saved the model, the optimizer and the run's counters; the next generation of ranks,
+one per new device, loads them and goes on in the same epoch at the same position.
 
-Each step boundary is one collective: rank 0 reads the host's steering commands and
-broadcasts its decision (step, wait while paused, stop, restart for a device change);
-after the step every rank's `ReplicaRecord` (and, when due, a telemetry sample) reaches
-rank 0 through `gather_object`, and rank 0 sends the step to the host. While paused, rank 0
-broadcasts a "wait" every half second, so no collective comes near its timeout. Rank 0
-also waits (the same way) until the host has published step N before it starts step N+1, so
-that a subscriber's pause/stop/batch/device request made on StepFinished N applies at step
-N+1, exactly as with the threaded Trainer, and a slow subscriber slows training rather than
-piling events up.
+A rank that raises reports its error and exits; a rank that dies closes its channel. Either
+way the host ends every other rank at once (SIGTERM to each rank's process group, SIGKILL
+after three seconds) and publishes RunFailed naming the rank and its device. An error that
+only says a peer went away (gloo's "Connection closed by peer") never hides the rank that
+really failed.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import os
+import shutil
+import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Sequence
 from datetime import timedelta
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
-from ..devices import device_name, parse_device
-from ..events import ConfigChanged, RunFinished, StateChanged, TelemetrySampled
-from ..instrument import ReplicaProbe, tensors_of
-from ..records import StepRecord
-from ..scatter_gather import even_sizes
-from ..telemetry.sample import DeviceSample
-from ..trainer_base import (
-    RunState,
-    batch_of,
-    epoch_order,
-    load_checkpoint,
-    move_optimizer_state,
-    save_checkpoint,
-    to_device,
+from ..devices import DeviceLike, available_devices, device_name, resolve_devices
+from ..events import (
+    ConfigChanged,
+    Event,
+    RunConfig,
+    RunFailed,
+    RunFinished,
+    RunStarted,
+    StepFinished,
+    TelemetrySampled,
 )
-from .channel import error_report
-from .config import RankConfig
-
-HEARTBEAT_S = 0.5  # while paused, rank 0 wakes the others this often
-
-ErrorSink = Callable[[dict], None]
-
-_RETIRED: list[dict] = []  # finished ranks' state, kept alive on purpose (see RankLoop.run)
-
-
-class HostLost(Exception):
-    """Rank 0's channel to the host closed: the host is gone, so the run is over."""
+from ..checkpoint import Checkpoint
+from ..failures import run_failed
+from ..pending import Change
+from ..run_protocol import ALL_CONTROLS, DEVICES, ControlUnsupported
+from ..steering import TrainerBase, check_batch_size
+from ..telemetry import TelemetryPoller, TelemetrySource
+from .config import RankConfig, WorkloadSpec
+from .launcher import SpawnedGroup, TorchrunGroup, describe_exit, threads_per_rank
+from .messages import ErrorReport, Finished, Forward, Published, Ready, Restart, Steer
+from .torchrun import torchrun_env, torchrun_session
 
 
-class RankLoop:
-    """Train as rank `rank` of `config`; rank 0 also talks to the host over `host`."""
+_POLL_S = 0.1
+FAILURE_GRACE_S = 2.0  # after a "peer went away" error, how long to wait for the real culprit
+
+
+class DdpTrainer(TrainerBase):
+    """Same API as `dpengine.trainer.Trainer`, on DistributedDataParallel: one process per device.
+
+    `workload` is a `WorkloadSpec` (model target, dataset target, seed), since each rank builds
+    its own copy. `timeout` is the process-group timeout in seconds: the longest one rank may
+    wait for another inside a collective. `startup_timeout` bounds the ranks' start (imports,
+    rendezvous, building the workload).
+    """
 
     def __init__(
         self,
-        config: RankConfig,
-        rank: int,
-        host: Connection | None,
-        report: ErrorSink,
-        store: dist.Store | None = None,
-        local_rank: int | None = None,
+        workload: WorkloadSpec,
+        devices: Sequence[DeviceLike] = ("cpu:0", "cpu:1"),
+        *,
+        batch_size: int | None = None,
+        epochs: int | None = 1,
+        lr: float | None = None,
+        seed: int | None = None,
+        telemetry: TelemetrySource | None = None,
+        telemetry_interval: float | None = 1.0,
+        available: Sequence[DeviceLike] | None = None,
+        checkpoint: str | os.PathLike | None = None,
+        resume: str | os.PathLike | Checkpoint | None = None,
+        timeout: float = 30.0,
+        startup_timeout: float = 120.0,
     ) -> None:
-        self.cfg = config
-        self.rank = rank
-        self.world = config.world_size
-        self.host = host if rank == 0 else None
-        self._report = report
-        self._store = store  # under torchrun: this run's PrefixStore for the process group
-        self.name = config.devices[rank]
-        self.device = _own_device(config, rank, local_rank)
-        self.batch = config.batch_size
-        self.devices = tuple(config.devices)
-        self.phase = "setup"
-        # Rank 0's steering state, as the host left it.
-        self._paused = config.paused
-        self._stop = config.stop
-        self._wanted_batch: int | None = None
-        self._wanted_devices: tuple[str, ...] | None = None
-        self._seen_seq = 0
-        self._acked = 0
-        self._announced_pause = False
-        self._awaiting: int | None = None  # the step the host has not yet published
-        self._last_sample = -math.inf
-        self._telemetry = None
-        for command in config.commands:
-            self._apply(command)
-
-    # -- the whole run ---------------------------------------------------------------
-
-    def run(self) -> int:
-        """0 when done (finished, stopped, or handed over to the next generation); 1 on error."""
-        initialised = ok = False
-        try:
-            self._setup()
-            initialised = True
-            self._train()
-            ok = True
-            return 0
-        except HostLost:
-            return 1
-        except BaseException as error:  # noqa: BLE001 - reported to the host, then this rank ends
-            try:
-                self._report(error_report(error, self.rank, self.name, self.phase))
-            except Exception:  # noqa: BLE001 - the host is gone too; the exit status says enough
-                pass
-            return 1
-        finally:
-            if self._telemetry is not None:
-                self._telemetry.close()
-            if initialised and ok and dist.is_initialized():
-                # Unregister the group (the next run in this process makes its own). After an
-                # error a peer may be gone: then never wait for anyone on the way out.
-                try:
-                    dist.destroy_process_group()
-                except Exception:  # noqa: BLE001
-                    pass
-            # Never free DDP's reducer and process group: ProcessGroupGloo's destructor joins its
-            # worker threads while holding the GIL, and a worker that is still releasing the last
-            # collective's tensors needs the GIL: a deadlock (seen with gather_object). They go
-            # when the process does (rank processes end with os._exit).
-            _RETIRED.append(self.__dict__.copy())
-            self.__dict__.clear()
-
-    def _setup(self) -> None:
-        cfg = self.cfg
-        torch.set_num_threads(cfg.threads)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        # Build first: a slow dataset factory counts against the start-up timeout, not against
-        # the collectives' (which can then be short, to notice a lost rank quickly).
-        self.workload = cfg.spec.build()
-        store = self._join()
-        dist.init_process_group(cfg.backend, store=store, rank=self.rank, world_size=self.world,
-                                timeout=timedelta(seconds=cfg.timeout_s))
-        model = self.workload.model
-        model.to(self.device if self.device.type == "cuda" else "cpu")
-        self.optimizer = self.workload.make_optimizer(cfg.lr)
-        self.run_state = RunState(cfg.started)
-        if cfg.state is not None:
-            self._restore_restart(Path(cfg.state), model)
-        elif cfg.resume is not None:
-            # The saved optimizer state brings its own lr; an explicit --lr wins (as Trainer).
-            self.run_state.restore(
-                load_checkpoint(cfg.resume), model, self.optimizer, lr=cfg.lr if cfg.explicit_lr else None
+        if not isinstance(workload, WorkloadSpec):
+            raise TypeError(
+                f"DdpTrainer needs a WorkloadSpec (model target, dataset target, seed) that every rank "
+                f"can rebuild, not {type(workload).__name__}"
             )
-            move_optimizer_state(self.optimizer, self.device)
-        # A rank's own randomness (dropout): reproducible, and not the same stream on every rank.
-        torch.manual_seed((cfg.seed * 1_000_003 + 7919 * (self.rank + 1) + cfg.generation) % 2**63)
-        device_ids = [self.device.index] if self.device.type == "cuda" else None
-        self.ddp = DistributedDataParallel(model, device_ids=device_ids)
-        self.phase = "train"
-        self._send("ready", {"pid": os.getpid()})
+        self.spec = workload
+        built = workload.build()  # here for its name, size and defaults; ranks build their own
+        self._workload_name = built.name
+        self._samples = len(built.dataset)
+        # Each rank process reads `resume` again itself: a state dict does not travel.
+        super().__init__(
+            built, batch_size=batch_size, epochs=epochs, lr=lr, seed=seed, telemetry=telemetry,
+            telemetry_interval=telemetry_interval, checkpoint=checkpoint, resume=resume, lock=threading.Lock(),
+        )
+        del built
+        self.timeout = float(timeout)
+        self.startup_timeout = float(startup_timeout)
 
-    def _join(self) -> dist.Store:
-        """This generation's store, once every rank has reached it (within the start-up timeout)."""
-        cfg = self.cfg
-        startup = timedelta(seconds=cfg.startup_timeout_s)
-        store = self._store
-        if store is None:
-            host, port = cfg.store
-            store = dist.PrefixStore(cfg.store_prefix, dist.TCPStore(host, port, is_master=False, timeout=startup))
-        store.add("joined", 1)
-        deadline = time.monotonic() + cfg.startup_timeout_s
-        while (joined := store.add("joined", 0)) < self.world:
-            if time.monotonic() > deadline:
-                # Worded as a timeout, so the host blames the rank that never came, not this one.
+        self._torchrun = torchrun_env()
+        if self._torchrun is not None:
+            if self._torchrun.rank != 0:
                 raise RuntimeError(
-                    f"timed out: only {joined} of {self.world} ranks started within {cfg.startup_timeout_s:g} s"
+                    "under torchrun DdpTrainer runs on rank 0 only; the other ranks run "
+                    "`python -m tui.torchrun` (or call dpengine.distributed.worker.follow)"
                 )
-            time.sleep(0.02)
-        return store
+            kind = "cuda" if torch.cuda.is_available() else "cpu"
+            self._devices = tuple(f"{kind}:{r}" for r in range(self._torchrun.world_size))
+            self._available = self._devices
+        else:
+            resolved = resolve_devices(devices)
+            self._devices = tuple(device_name(d) for d in resolved)
+            chosen = resolve_devices(available) if available else available_devices(resolved)
+            self._available = tuple(device_name(d) for d in chosen)
+        self.backend = "nccl" if self._devices[0].startswith("cuda") else "gloo"
 
-    # -- the loop, as Trainer._train -------------------------------------------------
+        self._rank0: Connection | None = None
+        self._group: SpawnedGroup | TorchrunGroup | None = None
+        self._store: dist.TCPStore | None = None
 
-    def _train(self) -> None:
-        run = self.run_state
-        dataset = self.workload.dataset
-        samples = len(dataset)
-        epochs = self.cfg.epochs
-        stopped = False
-        while epochs is None or run.epoch < epochs or run.position > 0:
-            if run.position == 0:
-                run.begin_epoch()
-            order = epoch_order(samples, self.cfg.seed, run.epoch)
-            while run.position < samples:
-                decision = self._boundary()
-                if decision["action"] == "stop":
-                    stopped = True
-                    break
-                if decision["action"] == "restart":
-                    self._hand_over(decision)
-                    return
-                indices = order[run.position : run.position + self.batch]
-                self._step(dataset, indices, decision)
-            if stopped:
-                break
-            epoch_done = run.end_epoch()
-            self._send("event", epoch_done)
-        if self.rank == 0:
-            if self.cfg.checkpoint is not None:
-                self.phase = "checkpoint"
-                run.save(Path(self.cfg.checkpoint), self.ddp.module, self.optimizer, self.batch, self.cfg.seed)
-            self._send(
-                "finished",
-                RunFinished(
-                    final_loss=run.final_loss(), epochs=run.epoch, steps=run.step, samples=run.samples_seen,
-                    seconds=time.perf_counter() - run.started, stopped=stopped,
-                ),
+    # -- steering, from any thread (pause/resume/stop: TrainerBase) -------------------
+
+    def set_batch_size(self, batch_size: int) -> None:
+        batch_size = check_batch_size(batch_size)
+        with self._lock:
+            self._send_rank0(self._pending.ask(batch_size=batch_size))
+
+    def set_devices(self, devices: Sequence[DeviceLike]) -> None:
+        if self._torchrun is not None:
+            raise ControlUnsupported(
+                DEVICES,
+                "under torchrun the ranks are torchrun's: restart torchrun with other "
+                "--nproc-per-node / --nnodes to change the devices",
             )
+        resolved = tuple(device_name(d) for d in resolve_devices(devices))
+        unknown = [d for d in resolved if d not in self._available]
+        if unknown:
+            raise ValueError(
+                f"device {unknown[0]} is not available to this run (available: {', '.join(self._available)})"
+            )
+        with self._lock:
+            self._send_rank0(self._pending.ask(devices=resolved))
 
-    # -- step boundaries ---------------------------------------------------------------
+    def _tell(self, command: str) -> None:
+        self._send_rank0(Steer(command))
 
-    def _boundary(self) -> dict:
-        """Agree with every rank on what happens next (one broadcast from rank 0)."""
-        while True:
-            box = [self._decide() if self.rank == 0 else None]
-            dist.broadcast_object_list(box, src=0)
-            decision = box[0]
-            if decision["action"] != "wait":
-                break
-            if decision.get("telemetry"):
-                self._gather_samples()
-        if "batch" in decision:
-            self.batch = decision["batch"]
-        return decision
-
-    def _decide(self) -> dict:
-        self._drain(0.0)
-        if self._awaiting is not None:
-            # The host publishes each step before the next one starts, as Trainer's subscribers
-            # run inside its step: what they ask for applies at the very next boundary.
-            self._drain(HEARTBEAT_S, until=lambda: self._awaiting is None)
-            if self._awaiting is not None:
-                return {"action": "wait", "telemetry": self._sample_due()}
-        if self._paused and not self._stop:
-            if not self._announced_pause:
-                self._announced_pause = True
-                self._send("event", StateChanged("paused"))
-            self._drain(HEARTBEAT_S)
-            if self._paused and not self._stop:
-                return {"action": "wait", "telemetry": self._sample_due()}
-        if self._announced_pause:
-            self._announced_pause = False
-            if not self._stop:
-                self._send("event", StateChanged("running"))
-        if self._stop:
-            return {"action": "stop"}
-        self._acked = self._seen_seq
-        batch, devices = self._wanted_batch, self._wanted_devices
-        self._wanted_batch = self._wanted_devices = None
-        if devices is not None and devices != self.devices:
-            return {"action": "restart", "devices": devices, "batch": batch or self.batch}
-        decision: dict[str, Any] = {"action": "step", "telemetry": self._sample_due()}
-        if batch is not None or devices is not None:
-            decision["batch"] = batch or self.batch
-            self._send("event", ConfigChanged(decision["batch"], self.devices, self.run_state.step + 1))
-        return decision
-
-    def _drain(self, timeout: float, until: Callable[[], bool] | None = None) -> None:
-        """Apply every command the host sent; wait up to `timeout` for the first (or for `until`)."""
-        host = self.host
-        deadline = time.monotonic() + timeout
-        try:
-            while host.poll(max(0.0, deadline - time.monotonic())):
-                self._apply(host.recv())
-                while host.poll(0):
-                    self._apply(host.recv())
-                if until is None or until():
-                    return
-        except (EOFError, OSError) as error:
-            raise HostLost() from error
-
-    def _apply(self, command: tuple) -> None:
-        kind = command[0]
-        if kind == "pause":
-            self._paused = True
-        elif kind == "resume":
-            self._paused = False
-        elif kind == "stop":
-            self._stop = True
-        elif kind == "batch":
-            self._wanted_batch = int(command[1])
-            self._seen_seq = max(self._seen_seq, command[2])
-        elif kind == "devices":
-            self._wanted_devices = tuple(command[1])
-            self._seen_seq = max(self._seen_seq, command[2])
-        elif kind == "published":
-            if self._awaiting is not None and command[1] >= self._awaiting:
-                self._awaiting = None
-
-    def _send(self, kind: str, payload: Any) -> None:
-        if self.host is None:
+    def _send_rank0(self, message: Steer | Change | Published) -> None:
+        """Send to rank 0 (with the lock held); with no ranks yet, the next generation gets the state."""
+        if self._rank0 is None:
             return
         try:
-            self.host.send((kind, payload, self._acked))
-        except OSError as error:
-            raise HostLost() from error
+            self._rank0.send(message)
+        except OSError:
+            pass  # rank 0 is gone; the run loop reports why
 
-    # -- one step ------------------------------------------------------------------------
+    @property
+    def controls(self) -> frozenset[str]:
+        return ALL_CONTROLS - {DEVICES} if self._torchrun is not None else ALL_CONTROLS
 
-    def _step(self, dataset, indices: torch.Tensor, decision: dict) -> None:
-        run = self.run_state
+    @property
+    def devices(self) -> tuple[str, ...]:
+        return self._devices
+
+    @property
+    def available_devices(self) -> tuple[str, ...]:
+        return self._available
+
+    def worker_thread_ids(self) -> dict[str, int]:
+        return {}  # ranks are processes, each sampling itself
+
+    # -- the run ------------------------------------------------------------------------
+
+    def config(self) -> RunConfig:
+        return self._run_config(
+            self._workload_name, "ddp", self._samples, tuple(self._label(d) for d in self._available)
+        )
+
+    def _label(self, device: str) -> str:
+        if device.startswith("cuda") and self._torchrun is None:
+            return torch.cuda.get_device_name(int(device.split(":")[1]))
+        return "rank process" if self._torchrun is None else "torchrun rank"
+
+    def run(self) -> RunFinished | RunFailed:
+        """Train until the epochs are done or stop() is called; never raises for training errors.
+
+        Returns only when every rank process has ended.
+        """
         started = time.perf_counter()
-        rows = len(indices)
-        sizes = even_sizes(rows, self.world)
-        mine = sizes[self.rank] if self.rank < len(sizes) else 0
-        first = sum(sizes[: self.rank])
-        if mine:
-            inputs, targets = batch_of(dataset, indices[first : first + mine])
-        else:  # no chunk for this rank this step: the right structure, zero rows
-            inputs, targets = _no_rows(batch_of(dataset, indices[:1]))
-        if self.device.type == "cuda":
-            inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
-        loaded = time.perf_counter()
-
-        probe = ReplicaProbe(self.rank, self.device, self.name, 0)
-        output = probe.run(self.ddp, (inputs,), {}, _nothing)
-        forward_done = time.perf_counter()
-        if mine:
-            loss = self.workload.loss_fn(output, targets)
-            objective = loss * (self.world * mine / rows)
-        else:
-            loss = None
-            objective = _zero_loss(output)
-        self.optimizer.zero_grad(set_to_none=True)
-        backward_started = time.perf_counter()
-        objective.backward()
-        backward_done = time.perf_counter()
-        self.optimizer.step()
-        share = loss.item() * mine / rows if loss is not None else 0.0
-
-        sample = self._sample() if decision.get("telemetry") else None
-        payload = {
-            "record": probe.record() if mine else None,
-            "loss": share,
-            "load_ms": (loaded - started) * 1000.0,
-            "forward_ms": (forward_done - loaded) * 1000.0,
-            "backward_ms": (backward_done - backward_started) * 1000.0,
-            "sample": sample,
-        }
-        if self.rank == 0:
-            payload["shapes"] = _outside_shapes(inputs, output, rows)
-        gathered: list | None = [None] * self.world if self.rank == 0 else None
-        gather_started = time.perf_counter()
-        dist.gather_object(payload, gathered, dst=0)
-        gather_ms = (time.perf_counter() - gather_started) * 1000.0
-        loss_value = sum(p["loss"] for p in gathered) if gathered is not None else 0.0
-        run.after_step(rows, loss_value)
-        if self.rank != 0:
-            return
-        seconds = time.perf_counter() - started
-        input_shape, output_shape, input_shapes, output_shapes = payload["shapes"]
-        record = StepRecord(
-            step=run.step,
-            dim=0,
-            batch_size=rows,
-            input_shapes=input_shapes,
-            output_shapes=output_shapes,
-            replicas=tuple(p["record"] for p in gathered if p["record"] is not None),
-            scatter_ms=max(p["load_ms"] for p in gathered),  # each rank indexing its own chunk
-            replicate_ms=0.0,  # DDP keeps a replica per rank: nothing to copy per step
-            apply_ms=max(p["forward_ms"] for p in gathered),
-            gather_ms=gather_ms,  # the records reaching rank 0
-            total_ms=(forward_done - started) * 1000.0,
-            backward_ms=max(p["backward_ms"] for p in gathered),  # with the gradient all-reduce
-        )
-        self._send(
-            "event",
-            run.step_event(
-                rows, loss_value, samples=len(dataset), batch_size=self.batch, seconds=seconds,
-                input_shape=input_shape, output_shape=output_shape, record=record,
-            ),
-        )
-        self._awaiting = run.step
-        samples = tuple(p["sample"] for p in gathered if p["sample"] is not None)
-        if samples:
-            self._send("event", TelemetrySampled(samples))
-
-    # -- device changes: hand the state to the next generation -------------------------
-
-    def _hand_over(self, decision: dict) -> None:
-        if self.rank != 0:
-            return
-        self.phase = "save"
-        run = self.run_state
-        counters = {k: v for k, v in vars(run).items() if isinstance(v, (int, float, type(None)))}
-        if run.position == 0:
-            # The epoch was begun but no step ran: the next generation begins it again.
-            counters["epoch"] -= 1
-        state = {
-            "model": self.ddp.module.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "run": counters,
-            "batch_size": decision["batch"],
-        }
-        path = Path(self.cfg.state_dir) / f"state-{self.cfg.generation + 1}.pt"
-        save_checkpoint(state, path)
-        self._send(
-            "restart",
-            {"devices": decision["devices"], "batch_size": decision["batch"], "state": str(path),
-             "step": run.step},
-        )
-
-    def _restore_restart(self, path: Path, model: torch.nn.Module) -> None:
-        state = load_checkpoint(path)
-        model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        move_optimizer_state(self.optimizer, self.device)
-        for key, value in state["run"].items():
-            setattr(self.run_state, key, value)
-        self.batch = int(state["batch_size"])
-
-    # -- telemetry: each rank samples its own process / GPU ------------------------------
-
-    def _sample_due(self) -> bool:
-        interval = self.cfg.telemetry_interval
-        if interval is None:
-            return False
-        now = time.monotonic()
-        if now - self._last_sample < interval:
-            return False
-        self._last_sample = now
-        return True
-
-    def _gather_samples(self) -> None:
-        gathered: list | None = [None] * self.world if self.rank == 0 else None
-        dist.gather_object(self._sample(), gathered, dst=0)
-        if gathered is not None:
-            samples = tuple(s for s in gathered if s is not None)
-            if samples:
-                self._send("event", TelemetrySampled(samples))
-
-    def _sample(self) -> DeviceSample | None:
+        poller = None
+        state_dir = Path(tempfile.mkdtemp(prefix="dptui-ddp-"))
         try:
-            if self._telemetry is None:
-                self._telemetry = _RankTelemetry(self.device, self.name, self.cfg.threads)
-            return self._telemetry.sample()
-        except Exception:  # noqa: BLE001 - telemetry must never fail a step
+            self._publish(RunStarted(self.config()))
+            if self._torchrun is None:
+                # The ranks' rendezvous: served from here, on a port the OS picked, for the whole
+                # run (each generation of ranks uses its own prefix).
+                self._store = dist.TCPStore(
+                    "127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                    timeout=timedelta(seconds=self.startup_timeout),
+                )
+            poller = self._start_host_telemetry()
+            result = self._supervise(started, state_dir)
+        except Exception as error:  # noqa: BLE001 - reported as an event, the caller stays up
+            result = run_failed(error)
+        finally:
+            self._end_group()
+            self._store = None
+            if poller is not None:
+                poller.stop()
+            shutil.rmtree(state_dir, ignore_errors=True)
+        self._publish(result)
+        return result
+
+    def _start_host_telemetry(self) -> TelemetryPoller | None:
+        # Without a source of its own, each rank samples itself and rank 0 sends the samples.
+        if self._telemetry is None or self._telemetry_interval is None:
             return None
+        poller = TelemetryPoller(
+            self._telemetry, lambda samples: self._publish(TelemetrySampled(samples)), self._telemetry_interval
+        )
+        poller.start()
+        return poller
 
+    def _supervise(self, started: float, state_dir: Path) -> RunFinished | RunFailed:
+        state: str | None = None
+        generation = 0
+        while True:
+            group = self._launch(started, state_dir, generation, state)
+            outcome = self._pump(group)
+            if isinstance(outcome, Finished):
+                group.wait_all(10.0)  # they are on their way out; _end_group reaps the rest
+                return outcome.result
+            if isinstance(outcome, RunFailed):
+                return outcome
+            payload = outcome
+            # A device change: this generation saved its state and is exiting.
+            group.wait_all(10.0)
+            self._end_group()
+            with self._lock:  # _launch reads them under it
+                self._devices = payload.devices
+                self._batch_size = payload.batch_size
+            self._publish(ConfigChanged(self._batch_size, self._devices, payload.step + 1))
+            state = payload.state
+            generation += 1
 
-class _RankTelemetry:
-    """This rank's own figures: its process (CPU) or its GPU through NVML."""
+    def _launch(self, started: float, state_dir: Path, generation: int, state: str | None):
+        world = len(self._devices)
+        local_world = self._torchrun.local_world_size if self._torchrun is not None else world
+        with self._lock:
+            config = RankConfig(
+                spec=self.spec,
+                devices=self._devices,
+                backend=self.backend,
+                batch_size=self._batch_size,
+                epochs=self.epochs,
+                lr=self.lr,
+                seed=self.seed,
+                telemetry_interval=None if self._telemetry is not None else self._telemetry_interval,
+                timeout_s=self.timeout,
+                startup_timeout_s=self.startup_timeout,
+                threads=threads_per_rank(local_world),
+                started=started,
+                checkpoint=str(self.checkpoint) if self.checkpoint else None,
+                resume=str(self.resume_from.path) if self.resume_from and generation == 0 else None,
+                explicit_lr=self._explicit_lr,
+                state=state,
+                state_dir=str(state_dir),
+                generation=generation,
+                paused=self._paused,
+                stop=self._stop,
+                changes=self._pending.waiting(),
+                store=None if self._torchrun is not None else ("127.0.0.1", self._store.port),
+                store_prefix=f"gen{generation}/",
+                torchrun=self._torchrun is not None,
+            )
+            if self._torchrun is not None:
+                group = self._torchrun_group(config)
+            else:
+                group = SpawnedGroup(config, state_dir)
+            self._group = group
+            self._rank0 = group.conns[0]
+        return group
 
-    _NO_SENSOR = "not available for CPU ranks"
+    def _torchrun_group(self, config: RankConfig) -> TorchrunGroup:
+        from .channel import StoreBoard
+        from .rank_loop import RankLoop
 
-    def __init__(self, device: torch.device, name: str, threads: int) -> None:
-        self.name = name
-        self._nvml = None
-        if device.type == "cuda":
-            from ..telemetry.nvml import NvmlSource
+        session = torchrun_session()
+        run = session.next_run()
+        env = session.env
 
-            self._nvml = NvmlSource([device_name(device)])
-        else:
-            import psutil
+        def rank0(config: RankConfig, conn: Connection) -> int:
+            board = StoreBoard(env.master_addr, env.master_port, env.run_id)  # its own client
+            return RankLoop(config, 0, conn, conn.send,
+                            store=board.prefix(f"run{run}/pg"), local_rank=env.local_rank).run()
 
-            self._process = psutil.Process()
-            self._process.cpu_percent(None)  # the first reading is always 0
-            self._threads = max(1, threads)
-            self._total = psutil.virtual_memory().total
+        return TorchrunGroup(config, session.board, run, rank0)
 
-    def sample(self) -> DeviceSample:
-        if self._nvml is not None:
-            return dataclasses.replace(self._nvml.sample()[0], device=self.name)
-        # CPU use as a share of the cores this rank was given (its intra-op threads).
-        utilisation = min(100.0, self._process.cpu_percent(None) / self._threads)
-        return DeviceSample(
-            device=self.name,
-            name="rank process",
-            timestamp=time.monotonic(),
-            utilization_pct=utilisation,
-            memory_used_bytes=self._process.memory_info().rss,
-            memory_total_bytes=self._total,
-            missing=dict.fromkeys(("temperature_c", "power_w", "power_limit_w", "sm_clock_mhz"), self._NO_SENSOR),
+    def _end_group(self) -> None:
+        with self._lock:
+            group, self._group, self._rank0 = self._group, None, None
+        if group is not None:
+            group.terminate()
+
+    def _pump(self, group) -> Finished | Restart | RunFailed:
+        """Publish what the ranks send until the generation finishes, restarts or fails."""
+        open_conns = dict(group.conns)
+        rank_of = {id(conn): rank for rank, conn in open_conns.items()}
+        reports: dict[int, ErrorReport] = {}
+        deaths: dict[int, str] = {}
+        first_failure: float | None = None
+        heard = False
+        # Later than the ranks' own start-up timeout, so that they can say who is missing first.
+        deadline = time.monotonic() + self.startup_timeout + 10.0
+        while True:
+            ready = wait(list(open_conns.values()), _POLL_S) if open_conns else []
+            if not open_conns:
+                time.sleep(_POLL_S)
+            outcome = None
+            for conn in ready:
+                rank = rank_of[id(conn)]
+                try:
+                    message = conn.recv()
+                except (EOFError, OSError):
+                    del open_conns[rank]
+                    if rank not in reports:
+                        code = group.exit_code(rank, wait=2.0)
+                        if code != 0:
+                            deaths[rank] = describe_exit(code)
+                            first_failure = first_failure or time.monotonic()
+                    continue
+                if isinstance(message, ErrorReport):
+                    reports.setdefault(rank, message)
+                    first_failure = first_failure or time.monotonic()
+                    continue
+                outcome = self._on_rank_message(message) or outcome
+                heard = True
+            for rank, report in group.errors().items():
+                if rank not in reports:
+                    reports[rank] = report
+                    first_failure = first_failure or time.monotonic()
+            if first_failure is not None:
+                real = any(not r.comm for r in reports.values()) or deaths
+                if real or time.monotonic() - first_failure > FAILURE_GRACE_S:
+                    return self._failed(group, reports, deaths)
+            elif outcome is not None:
+                return outcome
+            elif not heard and time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"the ranks did not start within {self.startup_timeout:g} s (rank 0 never got "
+                    f"its process group and workload ready)"
+                )
+
+    def _on_rank_message(self, message: Ready | Forward | Finished | Restart) -> Finished | Restart | None:
+        """Where a message from rank 0 is handled; the generation's outcome when it is one."""
+        self._pending.applied(message.acked)
+        if isinstance(message, Forward):
+            self._on_rank_event(message.event)
+        elif isinstance(message, (Finished, Restart)):
+            return message
+        return None  # Ready: rank 0 is set up, the start-up deadline no longer applies
+
+    def _on_rank_event(self, event: Event) -> None:
+        if isinstance(event, ConfigChanged):
+            with self._lock:
+                self._batch_size = event.batch_size
+                self._devices = tuple(event.devices)
+        self._publish(event)
+        if isinstance(event, StepFinished):
+            with self._lock:
+                # After whatever the subscribers asked for: rank 0 applies that before step N+1.
+                self._send_rank0(Published(event.step))
+
+    def _failed(self, group, reports: dict[int, ErrorReport], deaths: dict[int, str]) -> RunFailed:
+        group.terminate()  # first stop the others, then say why
+        devices = group.config.devices
+        real = sorted((r for r in reports.values() if not r.comm), key=lambda r: r.time)
+        silent = [r for r in range(len(devices)) if r not in reports and r not in deaths]
+        if not real and not deaths and silent:
+            # Only "peer went away / timed out" errors: the rank that said nothing kept them waiting.
+            rank = silent[0]
+            first = min(reports.values(), key=lambda r: r.time)
+            return RunFailed(
+                error=f"rank {rank} on {devices[rank]} stopped responding: rank {first.rank} gave up "
+                f"waiting for it ({first.error_type}: {first.message})",
+                error_type="RankTimeout",
+                replica=rank,
+                device=devices[rank],
+                traceback=first.traceback,
+            )
+        if real or not deaths:
+            report = real[0] if real else min(reports.values(), key=lambda r: r.time)
+            rank = report.rank
+            cause = f"{report.error_type}: {report.message}" if report.message else report.error_type
+            return RunFailed(
+                error=f"rank {rank} on {devices[rank]} failed: {cause}",
+                error_type=report.error_type,
+                replica=rank,
+                device=devices[rank],
+                traceback=report.traceback,
+            )
+        rank = min(deaths)
+        tail = group.log_tail(rank)
+        return RunFailed(
+            error=f"rank {rank} on {devices[rank]} {deaths[rank]}",
+            error_type="RankExited",
+            replica=rank,
+            device=devices[rank],
+            traceback=f"rank {rank}'s output ended with:\n{tail}" if tail else "",
         )
 
-    def close(self) -> None:
-        if self._nvml is not None:
-            self._nvml.close()
-
-
-# -- helpers ---------------------------------------------------------------------------------
-
-
-def _own_device(config: RankConfig, rank: int, local_rank: int | None) -> torch.device:
-    if config.backend == "nccl" or config.devices[rank].startswith("cuda"):
-        if config.torchrun:
-            return torch.device("cuda", local_rank if local_rank is not None else 0)
-        return parse_device(config.devices[rank])
-    return torch.device("cpu", rank)
-
-
-def _nothing() -> None:
-    pass
-
-
-def _no_rows(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value[:0]
-    if isinstance(value, (list, tuple)):
-        return type(value)(_no_rows(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _no_rows(v) for k, v in value.items()}
-    return value
-
-
-def _zero_loss(output: Any) -> torch.Tensor:
-    """A zero that depends on every output: the rank's backward (and all-reduce) runs, adding nothing."""
-    parts = [t.sum() for t in tensors_of(output) if t.requires_grad]
-    if not parts:
-        raise RuntimeError("the model's output on an empty chunk does not require grad")
-    return torch.stack(parts).sum() * 0.0
-
-
-def _outside_shapes(inputs: Any, output: Any, rows: int):
-    """The global batch's shapes, from rank 0's chunk (which always has rows)."""
-
-    def whole(shape: tuple[int, ...]) -> tuple[int, ...]:
-        return (rows, *shape[1:]) if shape else shape
-
-    input_shapes = tuple(whole(tuple(t.shape)) for t in tensors_of(inputs))
-    output_shapes = tuple(whole(tuple(t.shape)) for t in tensors_of(output))
-    input_shape = whole(tuple(inputs.shape)) if isinstance(inputs, torch.Tensor) else ()
-    output_shape = whole(tuple(output.shape)) if isinstance(output, torch.Tensor) else ()
-    return input_shape, output_shape, input_shapes, output_shapes

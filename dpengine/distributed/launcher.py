@@ -24,6 +24,7 @@ from pathlib import Path
 
 from .channel import FD_ENV, PARENT_ENV, RANK_ENV, StoreBoard, socket_channel
 from .config import RankConfig
+from .messages import ErrorReport
 
 
 def cpu_cores() -> int:
@@ -106,7 +107,7 @@ class SpawnedGroup:
             child.close()
         self._procs[rank] = proc
         self.conns[rank] = conn
-        conn.send(("config", self.config))
+        conn.send(self.config)  # a rank's first message
 
     def pids(self) -> dict[int, int]:
         return {rank: proc.pid for rank, proc in self._procs.items()}
@@ -118,7 +119,7 @@ class SpawnedGroup:
         except subprocess.TimeoutExpired:
             return None
 
-    def errors(self) -> dict[int, dict]:
+    def errors(self) -> dict[int, ErrorReport]:
         return {}  # spawned ranks report on their own channel
 
     def log_tail(self, rank: int, lines: int = 40) -> str:
@@ -209,7 +210,7 @@ class TorchrunGroup:
         self._thread.join(wait if wait > 0 else 0.0)
         return None if self._thread.is_alive() else (self._code if self._code is not None else 1)
 
-    def errors(self) -> dict[int, dict]:
+    def errors(self) -> dict[int, ErrorReport]:
         try:
             return self._board.errors(self._run, self.world_size)
         except Exception:  # noqa: BLE001 - the store went away with torchrun's agent

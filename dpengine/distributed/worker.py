@@ -16,6 +16,7 @@ import sys
 import time
 
 from .channel import FD_ENV, PARENT_ENV, RANK_ENV, StoreBoard, inherited_channel
+from .messages import ErrorReport
 from .torchrun import TorchrunEnv, torchrun_env
 
 REPORT_GRACE_S = 3.0  # a failed torchrun rank waits this long so rank 0 can name it first
@@ -39,22 +40,17 @@ def _die_with_parent() -> None:
 
 
 def run_spawned() -> int:
-    from .ddp_trainer import RankLoop
+    from .rank_loop import RankLoop
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the host's: it stops at a boundary
     _die_with_parent()
     conn = inherited_channel()
     rank = int(os.environ[RANK_ENV])
     try:
-        kind, config = conn.recv()
+        config = conn.recv()  # the RankConfig, always first
     except (EOFError, OSError):
         return 1
-    assert kind == "config"
-
-    def report(error: dict) -> None:
-        conn.send(("error", error))
-
-    code = RankLoop(config, rank, conn, report).run()
+    code = RankLoop(config, rank, conn, conn.send).run()
     conn.close()
     return code
 
@@ -64,7 +60,7 @@ def run_spawned() -> int:
 
 def follow(env: TorchrunEnv) -> int:
     """A rank other than 0 under torchrun: train each run rank 0 posts, until it says quit."""
-    from .ddp_trainer import RankLoop
+    from .rank_loop import RankLoop
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if not os.environ.get("DPTUI_RANK_OUTPUT"):
@@ -82,7 +78,7 @@ def follow(env: TorchrunEnv) -> int:
         config = board.get(f"run/{run}")
         number = run
 
-        def report(error: dict, number: int = number) -> None:
+        def report(error: ErrorReport, number: int = number) -> None:
             board.report_error(number, error)
 
         code = RankLoop(config, env.rank, None, report, store=board.prefix(f"run{run}/pg"),

@@ -1,0 +1,90 @@
+"""What the host and the ranks say to each other: frozen dataclasses, pickled over the channel.
+
+host -> rank 0 (over its channel; `channel.py`):
+  RankConfig                  the first message to every spawned rank (config.py)
+  Steer("pause"|"resume"|"stop")
+  Change(seq, batch_size | devices)   a batch size or device change (dpengine/pending.py)
+  Published(step)             step N's subscribers have run: rank 0 may start step N+1
+rank -> host (handled in `DdpTrainer._pump`, ddp_trainer.py):
+  Ready, Forward(event), Finished(result), Restart(...)   each with `acked`, the newest
+                              Change number rank 0 has applied
+  ErrorReport                 from any rank (under torchrun, other ranks post it to the store)
+rank 0 -> every rank (a broadcast at each step boundary; rank_loop.py):
+  Decision
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..events import Event, RunFinished
+from ..pending import Change
+
+__all__ = [
+    "Change", "Decision", "ErrorReport", "Finished", "Forward", "Published", "Ready", "Restart", "Steer",
+]
+
+
+@dataclass(frozen=True)
+class Steer:
+    command: str  # "pause", "resume" or "stop"
+
+
+@dataclass(frozen=True)
+class Published:
+    step: int
+
+
+@dataclass(frozen=True)
+class Ready:
+    """Rank 0 is set up: the start-up deadline no longer applies."""
+
+    pid: int
+    acked: int
+
+
+@dataclass(frozen=True)
+class Forward:
+    """An event for the host to publish as is."""
+
+    event: Event
+    acked: int
+
+
+@dataclass(frozen=True)
+class Finished:
+    result: RunFinished
+    acked: int
+
+
+@dataclass(frozen=True)
+class Restart:
+    """A device change: rank 0 saved the state to `state`, and every rank of this generation exits."""
+
+    devices: tuple[str, ...]
+    batch_size: int
+    state: str
+    step: int  # the last step this generation ran
+    acked: int
+
+
+@dataclass(frozen=True)
+class ErrorReport:
+    rank: int
+    device: str
+    error_type: str
+    message: str  # one line
+    phase: str  # setup, train, checkpoint, save, ...
+    comm: bool  # only says that a peer went away (see channel.is_comm_error)
+    traceback: str
+    time: float  # time.time() when it was raised
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What every rank does next, as rank 0 decided it."""
+
+    action: str  # "step", "wait" (paused, or the host is behind), "stop", "restart"
+    telemetry: bool = False  # sample now
+    batch: int | None = None  # the global batch size from now on
+    devices: tuple[str, ...] | None = None  # with "restart"

@@ -1,0 +1,467 @@
+"""One rank of the DDP backend: the threaded Trainer's loop, one process per device.
+
+Every rank walks the same shuffled order of global batches (`torch.randperm` seeded by the
+run's seed and the epoch, as `Trainer`) and takes its chunk of each global batch by
+torch.chunk's rule (`even_sizes`), so rank r gets what replica r gets in the threaded
+backend. A rank's loss is its chunk's loss times world_size * chunk / batch: DDP averages
+gradients over ranks, so the result is the gradient of the whole batch's mean loss, as the
+threaded backend computes it (for a loss that is a mean over rows, as every built-in
+one is). A rank left without a chunk (batch 2 on 3 ranks) runs its model on zero rows and
+contributes a zero gradient, so every rank still joins every all-reduce.
+
+Each step boundary is one collective: rank 0 reads the host's steering commands and
+broadcasts its decision (step, wait while paused, stop, restart for a device change);
+after the step every rank's `ReplicaRecord` (and, when due, a telemetry sample) reaches
+rank 0 through `gather_object`, and rank 0 sends the step to the host. While paused, rank 0
+broadcasts a "wait" every half second, so no collective comes near its timeout. Rank 0
+also waits (the same way) until the host has published step N before it starts step N+1, so
+that a subscriber's pause/stop/batch/device request made on StepFinished N applies at step
+N+1, exactly as with the threaded Trainer, and a slow subscriber slows training rather than
+piling events up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from ..batches import batch_of, move_optimizer_state, to_device
+from ..checkpoint import as_checkpoint, restore_restart, restore_run, save_restart
+from ..devices import parse_device
+from ..epoch_loop import Boundary, EpochLoop
+from ..events import ConfigChanged, EpochFinished, Event, StateChanged, TelemetrySampled
+from ..instrument import ReplicaProbe, tensors_of
+from ..pending import Change, PendingChanges
+from ..records import StepRecord
+from ..run_state import RunState
+from ..scatter_gather import even_sizes
+from ..telemetry.rank import RankTelemetry
+from ..telemetry.sample import DeviceSample
+from .channel import error_report
+from .config import RankConfig
+from .messages import Decision, ErrorReport, Finished, Forward, Published, Ready, Restart, Steer
+
+HEARTBEAT_S = 0.5  # while paused, rank 0 wakes the others this often
+
+ErrorSink = Callable[[ErrorReport], None]
+
+_RETIRED: list[dict] = []  # finished ranks' state, kept alive on purpose (see RankLoop.run)
+
+
+class HostLost(Exception):
+    """Rank 0's channel to the host closed: the host is gone, so the run is over."""
+
+
+class RankLoop(EpochLoop):
+    """Train as rank `rank` of `config`; rank 0 also talks to the host over `host`.
+
+    Rank 0 handles the host's messages in `_apply()`; pause takes effect in `_decide()`.
+    """
+
+    def __init__(
+        self,
+        config: RankConfig,
+        rank: int,
+        host: Connection | None,
+        report: ErrorSink,
+        store: dist.Store | None = None,
+        local_rank: int | None = None,
+    ) -> None:
+        self.cfg = config
+        self.rank = rank
+        self.world = config.world_size
+        self.host = host if rank == 0 else None
+        self._report = report
+        self._store = store  # under torchrun: this run's PrefixStore for the process group
+        self.name = config.devices[rank]
+        self.device = _own_device(config, rank, local_rank)
+        self._batch_size = config.batch_size
+        self.devices = tuple(config.devices)
+        self.epochs = config.epochs
+        self.seed = config.seed
+        self.checkpoint = Path(config.checkpoint) if config.checkpoint and rank == 0 else None
+        self.phase = "setup"
+        # Rank 0's steering state, as the host left it.
+        self._paused = config.paused
+        self._stop = config.stop
+        self._pending = PendingChanges()  # numbered by the host
+        self._acked = 0
+        self._announced_pause = False
+        self._awaiting: int | None = None  # the step the host has not yet published
+        self._last_sample = -math.inf
+        self._sample_now = False  # this step's boundary asked every rank for a telemetry sample
+        self._telemetry: RankTelemetry | None = None
+        for change in config.changes:
+            self._apply(change)
+
+    # -- the whole run ---------------------------------------------------------------
+
+    def run(self) -> int:
+        """0 when done (finished, stopped, or handed over to the next generation); 1 on error."""
+        initialised = ok = False
+        try:
+            self._setup()
+            initialised = True
+            self._train()
+            ok = True
+            return 0
+        except HostLost:
+            return 1
+        except BaseException as error:  # noqa: BLE001 - reported to the host, then this rank ends
+            try:
+                self._report(error_report(error, self.rank, self.name, self.phase))
+            except Exception:  # noqa: BLE001 - the host is gone too; the exit status says enough
+                pass
+            return 1
+        finally:
+            if self._telemetry is not None:
+                self._telemetry.close()
+            if initialised and ok and dist.is_initialized():
+                # Unregister the group (the next run in this process makes its own). After an
+                # error a peer may be gone: then never wait for anyone on the way out.
+                try:
+                    dist.destroy_process_group()
+                except Exception:  # noqa: BLE001
+                    pass
+            # Never free DDP's reducer and process group: ProcessGroupGloo's destructor joins its
+            # worker threads while holding the GIL, and a worker that is still releasing the last
+            # collective's tensors needs the GIL: a deadlock (seen with gather_object). They go
+            # when the process does (rank processes end with os._exit).
+            _RETIRED.append(self.__dict__.copy())
+            self.__dict__.clear()
+
+    def _setup(self) -> None:
+        cfg = self.cfg
+        torch.set_num_threads(cfg.threads)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        # Build first: a slow dataset factory counts against the start-up timeout, not against
+        # the collectives' (which can then be short, to notice a lost rank quickly).
+        self.workload = cfg.spec.build()
+        store = self._join()
+        dist.init_process_group(cfg.backend, store=store, rank=self.rank, world_size=self.world,
+                                timeout=timedelta(seconds=cfg.timeout_s))
+        model = self.workload.model
+        model.to(self.device if self.device.type == "cuda" else "cpu")
+        self._optimizer = self.workload.make_optimizer(cfg.lr)
+        self._run = RunState(cfg.started)
+        if cfg.state is not None:
+            self._batch_size = restore_restart(Path(cfg.state), self._run, model, self._optimizer)
+            move_optimizer_state(self._optimizer, self.device)
+        elif cfg.resume is not None:
+            # The saved optimizer state brings its own lr; an explicit --lr wins (as Trainer).
+            lr = cfg.lr if cfg.explicit_lr else None
+            restore_run(as_checkpoint(cfg.resume), self._run, model, self._optimizer, lr)
+            move_optimizer_state(self._optimizer, self.device)
+        # A rank's own randomness (dropout): reproducible, and not the same stream on every rank.
+        torch.manual_seed((cfg.seed * 1_000_003 + 7919 * (self.rank + 1) + cfg.generation) % 2**63)
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        self.ddp = DistributedDataParallel(model, device_ids=device_ids)
+        self.phase = "train"
+        self._send(Ready(os.getpid(), self._acked))
+
+    def _join(self) -> dist.Store:
+        """This generation's store, once every rank has reached it (within the start-up timeout)."""
+        cfg = self.cfg
+        startup = timedelta(seconds=cfg.startup_timeout_s)
+        store = self._store
+        if store is None:
+            host, port = cfg.store
+            store = dist.PrefixStore(cfg.store_prefix, dist.TCPStore(host, port, is_master=False, timeout=startup))
+        store.add("joined", 1)
+        deadline = time.monotonic() + cfg.startup_timeout_s
+        while (joined := store.add("joined", 0)) < self.world:
+            if time.monotonic() > deadline:
+                # Worded as a timeout, so the host blames the rank that never came, not this one.
+                raise RuntimeError(
+                    f"timed out: only {joined} of {self.world} ranks started within {cfg.startup_timeout_s:g} s"
+                )
+            time.sleep(0.02)
+        return store
+
+    # -- the loop (EpochLoop.train_epochs, as Trainer's) ---------------------------------
+
+    def _train(self) -> None:
+        result = self.train_epochs()
+        if result is not None:
+            self._send(Finished(result, self._acked))  # rank 0's only: others have no host
+
+    def _save_checkpoint(self, path: Path) -> None:
+        self.phase = "checkpoint"
+        super()._save_checkpoint(path)
+
+    def _model_to_save(self) -> torch.nn.Module:
+        return self.ddp.module
+
+    def _epoch_finished(self, event: EpochFinished) -> None:
+        self._send(Forward(event, self._acked))
+
+    # -- step boundaries ---------------------------------------------------------------
+
+    def _boundary(self) -> Boundary:
+        """Agree with every rank on what happens next (one broadcast from rank 0)."""
+        while True:
+            box = [self._decide() if self.rank == 0 else None]
+            dist.broadcast_object_list(box, src=0)
+            decision: Decision = box[0]
+            if decision.action != "wait":
+                break
+            if decision.telemetry:
+                self._gather_samples()
+        if decision.action == "stop":
+            return Boundary.STOP
+        if decision.action == "restart":
+            self._hand_over(decision)
+            return Boundary.HAND_OVER
+        if decision.batch is not None:
+            self._batch_size = decision.batch
+        self._sample_now = decision.telemetry
+        return Boundary.STEP
+
+    def _decide(self) -> Decision:
+        self._drain(0.0)
+        if self._awaiting is not None:
+            # The host publishes each step before the next one starts, as Trainer's subscribers
+            # run inside its step: what they ask for applies at the very next boundary.
+            self._drain(HEARTBEAT_S, until=lambda: self._awaiting is None)
+            if self._awaiting is not None:
+                return Decision("wait", telemetry=self._sample_due())
+        if self._paused and not self._stop:
+            if not self._announced_pause:
+                self._announced_pause = True
+                self._event(StateChanged("paused"))
+            self._drain(HEARTBEAT_S)
+            if self._paused and not self._stop:
+                return Decision("wait", telemetry=self._sample_due())
+        if self._announced_pause:
+            self._announced_pause = False
+            if not self._stop:
+                self._event(StateChanged("running"))
+        if self._stop:
+            return Decision("stop")
+        taken = self._pending.take()
+        if taken is None:
+            return Decision("step", telemetry=self._sample_due())
+        self._acked = taken.seq
+        batch = taken.batch_size or self._batch_size
+        if taken.devices is not None and taken.devices != self.devices:
+            return Decision("restart", batch=batch, devices=taken.devices)
+        self._event(ConfigChanged(batch, self.devices, self._run.step + 1))
+        return Decision("step", telemetry=self._sample_due(), batch=batch)
+
+    def _drain(self, timeout: float, until: Callable[[], bool] | None = None) -> None:
+        """Apply every command the host sent; wait up to `timeout` for the first (or for `until`)."""
+        host = self.host
+        deadline = time.monotonic() + timeout
+        try:
+            while host.poll(max(0.0, deadline - time.monotonic())):
+                self._apply(host.recv())
+                while host.poll(0):
+                    self._apply(host.recv())
+                if until is None or until():
+                    return
+        except (EOFError, OSError) as error:
+            raise HostLost() from error
+
+    def _apply(self, message: Steer | Change | Published) -> None:
+        """Where rank 0 handles a message from the host."""
+        if isinstance(message, Steer):
+            if message.command == "stop":
+                self._stop = True
+            else:
+                self._paused = message.command == "pause"
+        elif isinstance(message, Change):
+            self._pending.ask(batch_size=message.batch_size, devices=message.devices, seq=message.seq)
+        elif isinstance(message, Published):
+            if self._awaiting is not None and message.step >= self._awaiting:
+                self._awaiting = None
+
+    def _event(self, event: Event) -> None:
+        self._send(Forward(event, self._acked))
+
+    def _send(self, message: Ready | Forward | Finished | Restart) -> None:
+        if self.host is None:
+            return
+        try:
+            self.host.send(message)
+        except OSError as error:
+            raise HostLost() from error
+
+    # -- one step ------------------------------------------------------------------------
+
+    def _step(self, indices: torch.Tensor) -> None:
+        run, dataset = self._run, self.workload.dataset
+        started = time.perf_counter()
+        rows = len(indices)
+        sizes = even_sizes(rows, self.world)
+        mine = sizes[self.rank] if self.rank < len(sizes) else 0
+        first = sum(sizes[: self.rank])
+        if mine:
+            inputs, targets = batch_of(dataset, indices[first : first + mine])
+        else:  # no chunk for this rank this step: the right structure, zero rows
+            inputs, targets = _no_rows(batch_of(dataset, indices[:1]))
+        if self.device.type == "cuda":
+            inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
+        loaded = time.perf_counter()
+
+        probe = ReplicaProbe(self.rank, self.device, self.name, 0)
+        output = probe.run(self.ddp, (inputs,), {}, _nothing)
+        forward_done = time.perf_counter()
+        if mine:
+            loss = self.workload.loss_fn(output, targets)
+            objective = loss * (self.world * mine / rows)
+        else:
+            loss = None
+            objective = _zero_loss(output)
+        self._optimizer.zero_grad(set_to_none=True)
+        backward_started = time.perf_counter()
+        objective.backward()
+        backward_done = time.perf_counter()
+        self._optimizer.step()
+        share = loss.item() * mine / rows if loss is not None else 0.0
+
+        sample = self._sample() if self._sample_now else None
+        payload = {
+            "record": probe.record() if mine else None,
+            "loss": share,
+            "load_ms": (loaded - started) * 1000.0,
+            "forward_ms": (forward_done - loaded) * 1000.0,
+            "backward_ms": (backward_done - backward_started) * 1000.0,
+            "sample": sample,
+        }
+        if self.rank == 0:
+            payload["shapes"] = _outside_shapes(inputs, output, rows)
+        gathered: list | None = [None] * self.world if self.rank == 0 else None
+        gather_started = time.perf_counter()
+        dist.gather_object(payload, gathered, dst=0)
+        gather_ms = (time.perf_counter() - gather_started) * 1000.0
+        loss_value = sum(p["loss"] for p in gathered) if gathered is not None else 0.0
+        run.after_step(rows, loss_value)
+        if self.rank != 0:
+            return
+        seconds = time.perf_counter() - started
+        input_shape, output_shape, input_shapes, output_shapes = payload["shapes"]
+        record = StepRecord(
+            step=run.step,
+            dim=0,
+            batch_size=rows,
+            input_shapes=input_shapes,
+            output_shapes=output_shapes,
+            replicas=tuple(p["record"] for p in gathered if p["record"] is not None),
+            scatter_ms=max(p["load_ms"] for p in gathered),  # each rank indexing its own chunk
+            replicate_ms=0.0,  # DDP keeps a replica per rank: nothing to copy per step
+            apply_ms=max(p["forward_ms"] for p in gathered),
+            gather_ms=gather_ms,  # the records reaching rank 0
+            total_ms=(forward_done - started) * 1000.0,
+            backward_ms=max(p["backward_ms"] for p in gathered),  # with the gradient all-reduce
+        )
+        self._event(
+            run.step_event(
+                rows, loss_value, samples=len(dataset), batch_size=self._batch_size, seconds=seconds,
+                input_shape=input_shape, output_shape=output_shape, record=record,
+            )
+        )
+        self._awaiting = run.step
+        samples = tuple(p["sample"] for p in gathered if p["sample"] is not None)
+        if samples:
+            self._event(TelemetrySampled(samples))
+
+    # -- device changes: hand the state to the next generation -------------------------
+
+    def _hand_over(self, decision: Decision) -> None:
+        if self.rank != 0:
+            return
+        self.phase = "save"
+        run = self._run
+        counters = run.counters()
+        if run.position == 0:
+            # The epoch was begun but no step ran: the next generation begins it again.
+            counters = dataclasses.replace(counters, epoch=counters.epoch - 1)
+        path = Path(self.cfg.state_dir) / f"state-{self.cfg.generation + 1}.pt"
+        save_restart(path, counters, self.ddp.module, self._optimizer, decision.batch)
+        self._send(Restart(decision.devices, decision.batch, str(path), run.step, self._acked))
+
+    # -- telemetry: each rank samples its own process / GPU ------------------------------
+
+    def _sample_due(self) -> bool:
+        interval = self.cfg.telemetry_interval
+        if interval is None:
+            return False
+        now = time.monotonic()
+        if now - self._last_sample < interval:
+            return False
+        self._last_sample = now
+        return True
+
+    def _gather_samples(self) -> None:
+        gathered: list | None = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(self._sample(), gathered, dst=0)
+        if gathered is not None:
+            samples = tuple(s for s in gathered if s is not None)
+            if samples:
+                self._event(TelemetrySampled(samples))
+
+    def _sample(self) -> DeviceSample | None:
+        try:
+            if self._telemetry is None:
+                self._telemetry = RankTelemetry(self.device, self.name, self.cfg.threads)
+            return self._telemetry.sample()
+        except Exception:  # noqa: BLE001 - telemetry must never fail a step
+            return None
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def _own_device(config: RankConfig, rank: int, local_rank: int | None) -> torch.device:
+    if config.backend == "nccl" or config.devices[rank].startswith("cuda"):
+        if config.torchrun:
+            return torch.device("cuda", local_rank if local_rank is not None else 0)
+        return parse_device(config.devices[rank])
+    return torch.device("cpu", rank)
+
+
+def _nothing() -> None:
+    pass
+
+
+def _no_rows(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value[:0]
+    if isinstance(value, (list, tuple)):
+        return type(value)(_no_rows(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _no_rows(v) for k, v in value.items()}
+    return value
+
+
+def _zero_loss(output: Any) -> torch.Tensor:
+    """A zero that depends on every output: the rank's backward (and all-reduce) runs, adding nothing."""
+    parts = [t.sum() for t in tensors_of(output) if t.requires_grad]
+    if not parts:
+        raise RuntimeError("the model's output on an empty chunk does not require grad")
+    return torch.stack(parts).sum() * 0.0
+
+
+def _outside_shapes(inputs: Any, output: Any, rows: int):
+    """The global batch's shapes, from rank 0's chunk (which always has rows)."""
+
+    def whole(shape: tuple[int, ...]) -> tuple[int, ...]:
+        return (rows, *shape[1:]) if shape else shape
+
+    input_shapes = tuple(whole(tuple(t.shape)) for t in tensors_of(inputs))
+    output_shapes = tuple(whole(tuple(t.shape)) for t in tensors_of(output))
+    input_shape = whole(tuple(inputs.shape)) if isinstance(inputs, torch.Tensor) else ()
+    output_shape = whole(tuple(output.shape)) if isinstance(output, torch.Tensor) else ()
+    return input_shape, output_shape, input_shapes, output_shapes
