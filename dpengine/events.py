@@ -20,7 +20,7 @@ class RunConfig:
     """A run's resolved configuration."""
 
     workload: str
-    backend: str  # "dp"
+    backend: str  # "dp" (threads) or "ddp" (a process per device)
     devices: tuple[str, ...]  # the devices in use, in replica order
     available_devices: tuple[str, ...]  # what could be chosen (the UI's dimmed panels)
     batch_size: int
@@ -75,7 +75,6 @@ class StateChanged:
     """
 
     state: str
-    detail: str = ""
 
 
 @dataclass(frozen=True, slots=True)

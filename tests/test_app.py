@@ -29,7 +29,8 @@ from tui.screens.batch_size import BatchSizeScreen
 from tui.screens.devices import DevicesScreen
 from tui.screens.help import HelpScreen
 from tui.session import Session
-from tui.state import LOG_EVERY_S, DeviceView, RunView, model_lines
+from tui.event_text import model_lines
+from tui.state import LOG_EVERY_S, DeviceView, RunView
 from tui.widgets.device_panel import DevicePanel, body_lines
 
 from ui_fakes import FixedTelemetry, ScriptedTrainer, demo_events, factory_of, gpu_sample, split, step_event

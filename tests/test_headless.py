@@ -27,7 +27,8 @@ from dpengine.records import ReplicaRecord, StepRecord
 from dpengine.telemetry.sample import DeviceSample
 from dpengine.workloads import builtin_workload
 from tui.cli import main
-from tui.headless import TextPrinter, torch_size
+from tui.event_text import torch_size
+from tui.headless import TextPrinter
 
 
 from reference_loop import chunk_sizes, reference_run

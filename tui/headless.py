@@ -17,10 +17,7 @@ from dpengine.events import (
     StepFinished,
 )
 
-
-def torch_size(shape: tuple[int, ...]) -> str:
-    """How torch prints a shape: torch.Size([10, 5])."""
-    return f"torch.Size([{', '.join(str(n) for n in shape)}])"
+from . import event_text as text
 
 
 class TextPrinter:
@@ -52,35 +49,19 @@ class TextPrinter:
 
     def _lines(self, event: Event) -> list[str]:
         if isinstance(event, RunStarted):
-            devices = event.config.devices
-            return [f"Use {len(devices)} devices: {', '.join(devices)}"]
+            return [text.devices_line(event.config)]
         if isinstance(event, StepFinished):
             if self._every == 0 or (event.step - 1) % self._every:
                 return []
-            lines = [
-                f"[{r.device}] In Model: input size {torch_size(r.input_shapes[0] if r.input_shapes else ())} "
-                f"output size {torch_size(r.output_shapes[0] if r.output_shapes else ())}"
-                for r in event.record.replicas
-            ]
-            lines.append(
-                f"Outside: input size {torch_size(event.input_shape)} "
-                f"output size {torch_size(event.output_shape)}"
-            )
-            return lines
+            return text.model_lines(event)
         if isinstance(event, EpochFinished):
-            return [
-                f"epoch {event.epoch}: loss {event.mean_loss:.6f}, {event.steps} steps, "
-                f"{event.samples} samples, {event.samples_per_s:,.0f} samples/s"
-            ]
+            return [text.epoch_summary(event)]
         if isinstance(event, ConfigChanged):
-            return [f"from step {event.step}: batch {event.batch_size} on {', '.join(event.devices)}"]
+            return [text.config_line(event)]
         if isinstance(event, StateChanged):
-            return [event.state]
+            return [text.state_line(event)]
         if isinstance(event, RunFinished):
-            lines = ["stopped at a step boundary"] if event.stopped else []
-            if event.final_loss is not None:
-                lines.append(f"final loss {event.final_loss:.6f}")
-            return lines
+            return text.result_lines(event)
         if isinstance(event, RunFailed):
-            return [f"dptui: training failed: {event.error}"]
+            return [text.failure_line(event)]
         return []  # telemetry has no text form; use --json

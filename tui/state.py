@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from dpengine.events import (
@@ -26,10 +26,10 @@ from dpengine.events import (
     StepFinished,
     TelemetrySampled,
 )
-from dpengine.records import ReplicaRecord, Shape
+from dpengine.records import ReplicaRecord
 from dpengine.telemetry.sample import DeviceSample
 
-from . import format as fmt
+from . import event_text as text
 
 EMA_ALPHA = 0.2
 HISTORY_POINTS = 240  # loss and throughput; a Sparkline folds them to its width
@@ -80,7 +80,7 @@ class DeviceView:
 @dataclass(frozen=True, slots=True)
 class Snapshot:
     version: int  # changes whenever anything below may have
-    state: str  # starting, running, paused, pending, stopping, finished, stopped, failed
+    state: str  # starting, running, paused, finished, stopped, failed; pending while a change waits
     pending: str = ""  # what waits for the next step boundary, in words
     workload: str = ""
     backend: str = ""
@@ -110,19 +110,6 @@ def _ema(previous: float | None, value: float | None) -> float | None:
     if value is None:
         return previous
     return value if previous is None else previous + EMA_ALPHA * (value - previous)
-
-
-def torch_size(shape: Shape | None) -> str:
-    """Shapes as `print(t.size())` shows them, for the classic DataParallel tutorial lines."""
-    return f"torch.Size({list(shape or ())})"
-
-
-def model_lines(event: StepFinished) -> Iterator[str]:
-    for replica in event.record.replicas:
-        inp = replica.input_shapes[0] if replica.input_shapes else None
-        out = replica.output_shapes[0] if replica.output_shapes else None
-        yield f"[{replica.device}] In Model: input size {torch_size(inp)} output size {torch_size(out)}"
-    yield f"Outside: input size {torch_size(event.input_shape)} output size {torch_size(event.output_shape)}"
 
 
 class RunView:
@@ -173,11 +160,7 @@ class RunView:
         self._batch_size = config.batch_size
         self._devices = tuple(config.devices)
         self._per_device = {d: _Device() for d in config.available_devices}
-        epochs = "until stopped" if config.epochs is None else f"{config.epochs} epoch(s)"
-        self._event(
-            f"run started: {config.workload} on {', '.join(config.devices)}, "
-            f"batch {config.batch_size}, {epochs}, lr {config.lr:g}, seed {config.seed}"
-        )
+        self._event(text.started_log_line(config))
 
     def _on_step(self, event: StepFinished) -> None:
         self._last_step = event
@@ -193,17 +176,14 @@ class RunView:
         now = self._clock()
         if self._last_logged is None or now - self._last_logged >= LOG_EVERY_S:
             self._last_logged = now
-            self._log.extend(LogLine(line) for line in model_lines(event))
+            self._log.extend(LogLine(line) for line in text.model_lines(event))
 
     def _on_epoch(self, event: EpochFinished) -> None:
         now = self._clock()
         if self._last_epoch_logged is not None and now - self._last_epoch_logged < EPOCH_LOG_EVERY_S:
             return
         self._last_epoch_logged = now
-        self._event(
-            f"epoch {event.epoch} done: mean loss {fmt.loss(event.mean_loss)}, {event.samples} samples "
-            f"in {event.seconds:.2f} s ({fmt.rate(event.samples_per_s)} samples/s)"
-        )
+        self._event(text.epoch_log_line(event))
 
     def _on_telemetry(self, event: TelemetrySampled) -> None:
         for sample in event.samples:
@@ -214,8 +194,7 @@ class RunView:
             self._pending_state = None
         if self._state not in ENDED:
             self._state = event.state
-        if event.state != "pending":  # pending changes show from the UI's own requests
-            self._event(f"{event.state}{': ' + event.detail if event.detail else ''}")
+        self._event(text.state_line(event))
 
     def _on_config(self, event: ConfigChanged) -> None:
         self._batch_size = event.batch_size
@@ -224,30 +203,22 @@ class RunView:
             self._pending_batch = None
         if self._pending_devices is not None and set(self._pending_devices) == set(event.devices):
             self._pending_devices = None
-        if self._state == "pending":
-            self._state = "running"
         self._last_logged = None  # show the new split in the log at once
-        self._event(f"from step {event.step}: batch {event.batch_size} on {', '.join(event.devices)}")
+        self._event(text.config_line(event))
 
     def _on_finished(self, event: RunFinished) -> None:
         what = "stopped" if event.stopped else "finished"
         self._end(what)
-        text = (
-            f"run {what}: {event.epochs} epoch(s), {event.steps} steps, {event.samples} samples "
-            f"in {event.seconds:.1f} s, loss {fmt.loss(event.final_loss)}"
-        )
-        self._event(text)
+        line = text.finished_log_line(event)
+        self._event(line)
         if not event.stopped:  # a stop was the user's own doing (quit, restart): no news
-            self._notices.append(Notice(text + " (r restarts)", title=f"Run {what}"))
+            self._notices.append(Notice(line + " (r restarts)", title=f"Run {what}"))
 
     def _on_failed(self, event: RunFailed) -> None:
         self._end("failed")
-        text = f"run failed: {event.error}"
-        if event.device and event.device not in event.error:
-            replica = f"replica {event.replica} on " if event.replica is not None else ""
-            text += f" ({replica}{event.device})"
-        self._log.append(LogLine(text, "error"))
-        self._notices.append(Notice(text + " (r restarts)", title="Run failed", severity="error"))
+        line = text.failed_log_line(event)
+        self._log.append(LogLine(line, "error"))
+        self._notices.append(Notice(line + " (r restarts)", title="Run failed", severity="error"))
 
     def _end(self, state: str) -> None:
         self._state = state

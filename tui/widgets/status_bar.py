@@ -12,7 +12,6 @@ STATE_STYLES = {
     "running": "bold green",
     "paused": "bold yellow",
     "pending": "bold magenta",
-    "stopping": "yellow",
     "finished": "bold cyan",
     "stopped": "cyan",
     "failed": "bold red",
