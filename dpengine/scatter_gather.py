@@ -51,10 +51,6 @@ class Split:
         self.chunk_sizes = chunk_sizes
         self.weights = weights
 
-    @property
-    def is_even(self) -> bool:
-        return self.chunk_sizes is None and self.weights is None
-
     def plan(self, rows: int) -> list[tuple[int, int]]:
         """(device slot, rows) for each replica that gets a chunk, in slot order."""
         if self.chunk_sizes is not None:

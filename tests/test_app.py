@@ -33,7 +33,8 @@ from tui.event_text import model_lines
 from tui.state import LOG_EVERY_S, DeviceView, RunView
 from tui.widgets.device_panel import DevicePanel, body_lines
 
-from ui_fakes import FixedTelemetry, ScriptedTrainer, demo_events, factory_of, gpu_sample, split, step_event
+from reference_loop import chunk_sizes
+from ui_fakes import FixedTelemetry, ScriptedTrainer, demo_events, factory_of, gpu_sample, step_event
 
 DEVICES = ("cpu:0", "cpu:1", "cpu:2")
 
@@ -517,5 +518,5 @@ async def test_the_device_grid_reflows_with_the_terminal():
 
 
 def test_split_matches_torch_chunk():
-    assert [split(30, 3), split(10, 3), split(60, 2)] == [[10, 10, 10], [4, 4, 2], [30, 30]]
-    assert [t.shape[0] for t in torch.arange(10).chunk(3)] == split(10, 3)
+    assert [chunk_sizes(30, 3), chunk_sizes(10, 3), chunk_sizes(60, 2)] == [[10, 10, 10], [4, 4, 2], [30, 30]]
+    assert [t.shape[0] for t in torch.arange(10).chunk(3)] == chunk_sizes(10, 3)

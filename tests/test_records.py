@@ -12,14 +12,11 @@ import torch
 from torch import nn
 
 from dpengine import DataParallel, ReplicaRecord, StepRecord
+from reference_loop import chunk_sizes
 
 
 def cpus(count: int) -> list[str]:
     return [f"cpu:{i}" for i in range(count)]
-
-
-def chunk_rows(rows: int, count: int) -> list[int]:
-    return [c.size(0) for c in torch.empty(rows, 1).chunk(count)]
 
 
 def largest_remainder(rows: int, weights: list[float]) -> list[int]:
@@ -63,7 +60,7 @@ def test_replica_records_describe_each_replica(make_dp, count: int) -> None:
     assert isinstance(step, StepRecord) and step.step == 1 and step.dim == 0
     assert step.batch_size == 10
     assert step.input_shapes == ((10, 5),) and step.output_shapes == ((10, 2),)
-    sizes = chunk_rows(10, count)
+    sizes = chunk_sizes(10, count)
     assert list(step.chunk_sizes) == sizes
     assert list(step.devices) == cpus(count)[: len(sizes)]
     for i, (r, rows) in enumerate(zip(step.replicas, sizes)):
@@ -157,7 +154,7 @@ def test_memory_bytes_of_a_linear_when_the_input_needs_grad(make_dp) -> None:
     x = torch.randn(10, 5, requires_grad=True)
     dp(x)
     weight_bytes = module.weight.numel() * module.weight.element_size()
-    for r, rows in zip(dp.last_step.replicas, chunk_rows(10, 3)):
+    for r, rows in zip(dp.last_step.replicas, chunk_sizes(10, 3)):
         assert r.memory_bytes == rows * 5 * x.element_size() + weight_bytes
 
 

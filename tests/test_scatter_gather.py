@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from dpengine.scatter_gather import Split, even_sizes, gather, scatter_kwargs
+from reference_loop import chunk_sizes
 
 CPU = torch.device("cpu")
 Pair = namedtuple("Pair", ["a", "b"])
@@ -24,12 +25,6 @@ def cpus(count: int) -> list[str]:
 
 def devs(count: int) -> list[torch.device]:
     return [torch.device("cpu", i) for i in range(count)]
-
-
-def torch_chunk_sizes(rows: int, count: int, dim: int = 0) -> list[int]:
-    shape = [3, 3]
-    shape[dim] = rows
-    return [c.size(dim) for c in torch.empty(shape).chunk(count, dim)]
 
 
 @dataclass
@@ -81,7 +76,7 @@ TABLE = [(30, 3), (10, 3), (5, 4), (6, 4), (2, 3), (9, 4), (10, 4), (17, 8), (0,
 
 @pytest.mark.parametrize(("rows", "count"), TABLE)
 def test_even_sizes_follow_torch_chunk(rows: int, count: int) -> None:
-    assert even_sizes(rows, count) == torch_chunk_sizes(rows, count)
+    assert even_sizes(rows, count) == chunk_sizes(rows, count)
 
 
 def test_even_sizes_table_values() -> None:
@@ -90,7 +85,7 @@ def test_even_sizes_table_values() -> None:
              (2, 3): [1, 1], (9, 4): [3, 3, 3], (10, 4): [3, 3, 3, 1],
              (17, 8): [3, 3, 3, 3, 3, 2], (0, 3): [0, 0, 0]}
     for (rows, count), sizes in table.items():
-        assert torch_chunk_sizes(rows, count) == sizes  # torch agrees with the table...
+        assert chunk_sizes(rows, count) == sizes  # torch agrees with the table...
         assert even_sizes(rows, count) == sizes  # ...and so does the engine
 
 
@@ -100,7 +95,7 @@ def test_last_step_shows_the_chunk_table(make_dp, rows: int, count: int) -> None
     dp = make_dp(module, cpus(count))
     x = torch.randn(rows, 3)
     out = dp(x)
-    expected = torch_chunk_sizes(rows, count)
+    expected = chunk_sizes(rows, count)
     step = dp.last_step
     assert list(step.chunk_sizes) == expected
     assert list(step.devices) == cpus(count)[: len(expected)]
@@ -112,7 +107,7 @@ def test_chunks_along_dim_1(make_dp) -> None:
     dp = make_dp(Recorder(), cpus(3), dim=1)
     x = torch.randn(2, 10, 4)
     out = dp(x)
-    assert list(dp.last_step.chunk_sizes) == torch_chunk_sizes(10, 3, dim=1) == [4, 4, 2]
+    assert list(dp.last_step.chunk_sizes) == chunk_sizes(10, 3) == [4, 4, 2]
     calls = dp.module.by_thread()
     for i, want in enumerate(x.chunk(3, 1)):
         assert torch.equal(calls[f"dpengine-cpu:{i}"]["args"][0], want)

@@ -21,6 +21,7 @@ from dpengine.events import (
 from dpengine.records import ReplicaRecord, StepRecord
 from dpengine.run_protocol import ALL_CONTROLS, BATCH_SIZE, DEVICES, PAUSE, ControlUnsupported
 from dpengine.telemetry.sample import DeviceSample
+from reference_loop import chunk_sizes
 
 GIB = 1024**3
 CPU_SENSORS = ("temperature_c", "power_w", "power_limit_w", "sm_clock_mhz")
@@ -60,19 +61,13 @@ class FixedTelemetry:
         self.closed = True
 
 
-def split(batch: int, parts: int) -> list[int]:
-    """torch.chunk's split of a batch: ceil-sized chunks, the last one smaller."""
-    size = -(-batch // parts)
-    return [c for c in (min(size, batch - i * size) for i in range(parts)) if c > 0]
-
-
 def step_event(
     step: int, epoch: int, step_in_epoch: int, steps_in_epoch: int, batch: int,
     devices: Sequence[str], features: int = 5, outputs: int = 2, loss: float = 0.5,
 ) -> StepFinished:
     """A step with timings fixed by the step number: stable for snapshots."""
     replicas = []
-    for i, (device, chunk) in enumerate(zip(devices, split(batch, len(devices)))):
+    for i, (device, chunk) in enumerate(zip(devices, chunk_sizes(batch, len(devices)))):
         gpu = device.startswith("cuda")
         replicas.append(
             ReplicaRecord(
