@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 from dpengine import ControlUnsupported, Run
 from dpengine.distributed import DdpTrainer, WorkloadSpec
 from dpengine.run_protocol import ALL_CONTROLS, BATCH_SIZE, DEVICES, PAUSE

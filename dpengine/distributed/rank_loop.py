@@ -1,4 +1,4 @@
-"""One rank of the DDP backend: the threaded Trainer's loop, one process per device.
+"""One rank of the DDP backend: `EpochLoop` (as the threaded Trainer runs it), one process per device.
 
 Every rank walks the same shuffled order of global batches (`torch.randperm` seeded by the
 run's seed and the epoch, as `Trainer`) and takes its chunk of each global batch by
