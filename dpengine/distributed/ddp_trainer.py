@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..checkpoint import Checkpoint
 from ..devices import DeviceLike, available_devices, device_name, resolve_devices
 from ..events import (
     ConfigChanged,
@@ -41,7 +42,6 @@ from ..events import (
     StepFinished,
     TelemetrySampled,
 )
-from ..checkpoint import Checkpoint
 from ..failures import run_failed
 from ..pending import Change
 from ..run_protocol import ALL_CONTROLS, DEVICES, ControlUnsupported
