@@ -1,0 +1,77 @@
+"""A recorded run, replayed from its log for the UI as a live run's events.
+
+`RecordedRun` has the methods the UI calls on a trainer (run, subscribe, pause, resume,
+stop, set_batch_size, set_devices, devices, config): `run()` publishes the log's events
+on the calling thread and, with follow, goes on publishing while the file grows, until
+the run's last event or stop(). Steering raises ValueError: the run already happened.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+
+from .eventlog import EventLogReader
+from .events import ConfigChanged, Publisher, RunConfig, RunFailed, RunFinished, RunStarted
+
+FOLLOW_POLL_S = 0.2  # how often a followed file is checked for new lines
+
+
+class RecordedRun(Publisher):
+    def __init__(self, path: str | os.PathLike, *, follow: bool = False, poll_s: float = FOLLOW_POLL_S) -> None:
+        super().__init__()
+        self.path = os.fspath(path)
+        self.follow = follow
+        self._poll_s = poll_s
+        self._stop = threading.Event()
+        self._config: RunConfig | None = None
+        self._devices: tuple[str, ...] = ()
+
+    def run(self) -> RunFinished | RunFailed | None:
+        """Publish the recorded events; the run's end as recorded (None if the log has none yet)."""
+        end = None
+        with EventLogReader(self.path) as reader:
+            while not self._stop.is_set():
+                events = reader.read_new() if self.follow else reader.read_rest()
+                for event in events:
+                    self._note(event)
+                    self._publish(event)
+                    if isinstance(event, (RunFinished, RunFailed)):
+                        end = event
+                if not self.follow or end is not None:
+                    break  # a log holds one run: once it ended nothing more comes
+                self._stop.wait(self._poll_s)
+        return end
+
+    def _note(self, event: object) -> None:
+        if isinstance(event, RunStarted):
+            self._config = event.config
+            self._devices = event.config.devices
+        elif isinstance(event, ConfigChanged):
+            self._devices = event.devices
+
+    def stop(self) -> None:
+        """Stop reading (a followed file is polled, so this takes effect within poll_s)."""
+        self._stop.set()
+
+    def pause(self) -> None:
+        raise ValueError("Cannot pause: this is a recording.")
+
+    def resume(self) -> None:
+        raise ValueError("Cannot resume: this is a recording.")
+
+    def set_batch_size(self, batch_size: int) -> None:
+        raise ValueError("Cannot change the batch size: this is a recording.")
+
+    def set_devices(self, devices: Sequence[str]) -> None:
+        raise ValueError("Cannot change the devices: this is a recording.")
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """The devices in use at the last event read."""
+        return self._devices
+
+    def config(self) -> RunConfig | None:
+        """The recorded run's configuration, once its run_started has been read."""
+        return self._config
