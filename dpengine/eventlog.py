@@ -143,6 +143,9 @@ def decode_line(line: str, number: int) -> Event | OtherEvent:
         raise EventLogError(f"line {number}: a damaged {data['type']!r} event ({type(error).__name__}: {error})") from None
 
 
+READ_BYTES = 1 << 22  # per read: a long log is published in parts, and stop() is seen between them
+
+
 class EventLogReader:
     """Reads the events of a log file as it grows: each call returns those completed since the last.
 
@@ -153,9 +156,12 @@ class EventLogReader:
         self._file = open(path, "rb")  # bytes: a partial UTF-8 character waits with its line
         self._partial = b""
         self._lines = 0
+        self.at_end = False  # the last read reached the end of what was written
 
     def read_new(self) -> list[Event | OtherEvent]:
-        chunk = self._file.read()
+        """The events of the lines completed since the last call (at most READ_BYTES more)."""
+        chunk = self._file.read(READ_BYTES)
+        self.at_end = len(chunk) < READ_BYTES
         if not chunk:
             return []
         lines = (self._partial + chunk).split(b"\n")
@@ -169,9 +175,11 @@ class EventLogReader:
         return events
 
     def read_rest(self) -> list[Event | OtherEvent]:
-        """What is new, plus a last line without its newline if it is whole (a run that ended
-        without one); a truncated last line is dropped, not an error."""
+        """Everything up to the end, plus a last line without its newline if it is whole (a run
+        that ended without one); a truncated last line is dropped, not an error."""
         events = self.read_new()
+        while not self.at_end:
+            events += self.read_new()
         text = self._partial.decode("utf-8", errors="replace").strip()
         if text:
             try:

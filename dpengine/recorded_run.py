@@ -33,15 +33,18 @@ class RecordedRun(Publisher):
         end = None
         with EventLogReader(self.path) as reader:
             while not self._stop.is_set():
-                events = reader.read_new() if self.follow else reader.read_rest()
+                events = reader.read_new()
+                if reader.at_end and not self.follow:
+                    events += reader.read_rest()  # a last line without its newline
                 for event in events:
                     self._note(event)
                     self._publish(event)
                     if isinstance(event, (RunFinished, RunFailed)):
                         end = event
-                if not self.follow or end is not None:
-                    break  # a log holds one run: once it ended nothing more comes
-                self._stop.wait(self._poll_s)
+                if reader.at_end:
+                    if not self.follow or end is not None:
+                        break  # a log holds one run: once it ended nothing more comes
+                    self._stop.wait(self._poll_s)
         return end
 
     def _note(self, event: object) -> None:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import pytest
 
+from dpengine import eventlog
 from dpengine.eventlog import (
     EventLogError,
     EventLogReader,
@@ -62,6 +63,18 @@ def test_every_event_comes_back_equal_to_what_was_written(tmp_path):
     path = tmp_path / "run.jsonl"
     path.write_text(jsonl(events))
     assert read_event_log(path) == events
+
+
+def test_a_log_longer_than_one_read_is_published_whole(tmp_path, monkeypatch):
+    monkeypatch.setattr(eventlog, "READ_BYTES", 64)  # lines span reads
+    events = every_kind_of_event()
+    path = tmp_path / "run.jsonl"
+    path.write_text(jsonl(events).rstrip("\n"))  # and the last line has no newline
+    recording = RecordedRun(path)
+    seen: list = []
+    recording.subscribe(seen.append)
+    assert recording.run() == events[-1]  # the run's last end as recorded
+    assert seen == events
 
 
 def test_nan_written_as_null_comes_back_as_nan():
