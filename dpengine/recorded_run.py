@@ -3,7 +3,8 @@
 `RecordedRun` has the methods the UI calls on a trainer (run, subscribe, pause, resume,
 stop, set_batch_size, set_devices, devices, config): `run()` publishes the log's events
 on the calling thread and, with follow, goes on publishing while the file grows, until
-the run's last event or stop(). Steering raises ValueError: the run already happened.
+stop() or, with stop_at_end, the run's last event (a UI that restarts a run goes on
+writing the same log). Steering raises ValueError: the run already happened.
 """
 
 from __future__ import annotations
@@ -19,10 +20,14 @@ FOLLOW_POLL_S = 0.2  # how often a followed file is checked for new lines
 
 
 class RecordedRun(Publisher):
-    def __init__(self, path: str | os.PathLike, *, follow: bool = False, poll_s: float = FOLLOW_POLL_S) -> None:
+    def __init__(
+        self, path: str | os.PathLike, *, follow: bool = False, stop_at_end: bool = True,
+        poll_s: float = FOLLOW_POLL_S,
+    ) -> None:
         super().__init__()
         self.path = os.fspath(path)
         self.follow = follow
+        self._stop_at_end = stop_at_end
         self._poll_s = poll_s
         self._stop = threading.Event()
         self._config: RunConfig | None = None
@@ -42,8 +47,8 @@ class RecordedRun(Publisher):
                     if isinstance(event, (RunFinished, RunFailed)):
                         end = event
                 if reader.at_end:
-                    if not self.follow or end is not None:
-                        break  # a log holds one run: once it ended nothing more comes
+                    if not self.follow or (end is not None and self._stop_at_end):
+                        break
                     self._stop.wait(self._poll_s)
         return end
 

@@ -182,12 +182,19 @@ def test_a_followed_recording_publishes_lines_as_they_are_written_until_the_run_
     assert result == [finished]
 
 
-def test_stop_ends_following_a_file_that_stopped_growing(tmp_path):
-    path = tmp_path / "quiet.jsonl"
-    path.write_text(jsonl(demo_events(DEVICES, epochs=1)))
-    recording = RecordedRun(path, follow=True, poll_s=0.01)
+def test_without_stop_at_end_following_goes_on_after_the_run_until_stop(tmp_path):
+    finished = RunFinished(final_loss=0.3, epochs=1, steps=4, samples=100, seconds=0.1, stopped=False)
+    path = tmp_path / "restarted.jsonl"
+    path.write_text(jsonl([*demo_events(DEVICES, epochs=1), finished]))
+    recording = RecordedRun(path, follow=True, stop_at_end=False, poll_s=0.01)
+    seen: list = []
+    recording.subscribe(seen.append)
     reader = threading.Thread(target=recording.run)
     reader.start()
+    with open(path, "a", encoding="utf-8") as log:
+        log.write(jsonl(demo_events(DEVICES, epochs=1)[:1]))  # the UI restarted the run
+    wait_for(lambda: len(seen) == len(demo_events(DEVICES, epochs=1)) + 2, "the second run's start")
+    assert reader.is_alive()
     recording.stop()
     reader.join(timeout=5)
     assert not reader.is_alive()

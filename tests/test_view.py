@@ -70,6 +70,13 @@ def test_headless_summary_of_a_log_still_being_written(tmp_path, capsys):
     assert "4 steps, not finished" in out  # its epoch line was cut off
 
 
+def test_headless_follow_ends_with_the_run(tmp_path, capsys):
+    log = tmp_path / "run.jsonl"
+    write_log(log, run_events([30, 30]))
+    assert main(["view", "--headless", "--follow", str(log)]) == 0
+    assert "2 steps, finished" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     ("make", "words"),
     [

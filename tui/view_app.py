@@ -45,7 +45,6 @@ class ViewerApp(DptuiApp):
     def __init__(self, recording: RecordedRun, **kwargs) -> None:
         self.recording = recording
         super().__init__(lambda: recording, **kwargs)
-        self.sub_title = recording.path
 
     def _new_view(self) -> ReplayView:
         return ReplayView()

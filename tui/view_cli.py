@@ -105,7 +105,8 @@ def main(argv: Sequence[str]) -> int:
     try:
         args = build_parser().parse_args(argv)
         check_log(args.log, args.follow)
-        recording = RecordedRun(args.log, follow=args.follow)
+        # The UI follows until quit: the log may go on with a restarted run.
+        recording = RecordedRun(args.log, follow=args.follow, stop_at_end=args.headless)
         if args.headless:
             return print_summary(recording, sys.stdout)
         from .view_app import run_viewer
