@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -158,21 +159,23 @@ class EventLogReader:
         self._lines = 0
         self.at_end = False  # the last read reached the end of what was written
 
-    def read_new(self) -> list[Event | OtherEvent]:
-        """The events of the lines completed since the last call (at most READ_BYTES more)."""
+    def iter_new(self) -> Iterator[Event | OtherEvent]:
+        """The events of the lines completed since the last call (at most READ_BYTES more), one
+        by one: those before a damaged line are handed over before its error is raised."""
         chunk = self._file.read(READ_BYTES)
         self.at_end = len(chunk) < READ_BYTES
         if not chunk:
-            return []
+            return
         lines = (self._partial + chunk).split(b"\n")
         self._partial = lines.pop()  # b"" after a newline; else a line still being written
-        events = []
         for raw in lines:
             self._lines += 1
             text = raw.decode("utf-8", errors="replace").strip()
             if text:
-                events.append(decode_line(text, self._lines))
-        return events
+                yield decode_line(text, self._lines)
+
+    def read_new(self) -> list[Event | OtherEvent]:
+        return list(self.iter_new())
 
     def read_rest(self) -> list[Event | OtherEvent]:
         """Everything up to the end, plus a last line without its newline if it is whole (a run

@@ -32,32 +32,35 @@ class RecordedRun(Publisher):
         self._stop = threading.Event()
         self._config: RunConfig | None = None
         self._devices: tuple[str, ...] = ()
+        self._end: RunFinished | RunFailed | None = None
 
     def run(self) -> RunFinished | RunFailed | None:
         """Publish the recorded events; the run's end as recorded (None if the log has none yet)."""
-        end = None
+        self._end = None
         with EventLogReader(self.path) as reader:
             while not self._stop.is_set():
-                events = reader.read_new()
-                if reader.at_end and not self.follow:
-                    events += reader.read_rest()  # a last line without its newline
-                for event in events:
-                    self._note(event)
-                    self._publish(event)
-                    if isinstance(event, (RunFinished, RunFailed)):
-                        end = event
-                if reader.at_end:
-                    if not self.follow or (end is not None and self._stop_at_end):
-                        break
-                    self._stop.wait(self._poll_s)
-        return end
+                for event in reader.iter_new():
+                    self._replay(event)
+                if not reader.at_end:
+                    continue
+                if not self.follow:
+                    for event in reader.read_rest():  # a last line without its newline
+                        self._replay(event)
+                    break
+                if self._end is not None and self._stop_at_end:
+                    break
+                self._stop.wait(self._poll_s)
+        return self._end
 
-    def _note(self, event: object) -> None:
+    def _replay(self, event: object) -> None:
         if isinstance(event, RunStarted):
             self._config = event.config
             self._devices = event.config.devices
         elif isinstance(event, ConfigChanged):
             self._devices = event.devices
+        elif isinstance(event, (RunFinished, RunFailed)):
+            self._end = event
+        self._publish(event)
 
     def stop(self) -> None:
         """Stop reading (a followed file is polled, so this takes effect within poll_s)."""

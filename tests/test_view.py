@@ -6,8 +6,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import io
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from textual import events as keys
@@ -99,6 +102,14 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, make, words, headles
 def _file(path, text: str):
     path.write_text(text)
     return path
+
+
+def test_the_command_says_so_in_one_line_without_a_traceback(tmp_path):
+    notes = _file(tmp_path / "notes.md", "# notes\n")
+    done = subprocess.run([sys.executable, "-m", "tui.cli", "view", str(notes)], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).parent.parent)
+    assert done.returncode == 2
+    assert done.stderr == f"dptui view: error: {notes}: line 1 is not JSON: not a dptui log\n"
 
 
 def test_help_lists_the_view_subcommand(capsys):
@@ -262,5 +273,16 @@ async def test_follow_shows_steps_as_the_file_grows(tmp_path):
             file.write(jsonl(events[3:4]))
         await until(lambda: "step 2 of 2" in status(app), "the step written meanwhile")
         assert chunks(app) == [4, 4, 4]
+        await press(app, "q")
+        await until(lambda: not app.is_running, "the app to exit", timeout=3)
+
+
+async def test_a_damaged_line_shows_as_an_error_in_the_log(tmp_path):
+    path = tmp_path / "damaged.jsonl"
+    path.write_text(jsonl(run_events([30, 12])[:3]) + '{"type": "step"}\n')
+    app = ViewerApp(RecordedRun(path))
+    async with app.run_test():
+        await until(lambda: "line 4: a damaged 'step' event" in log_text(app), "the error in the log")
+        assert "step 1 of 1" in status(app)  # what was read before it is shown
         await press(app, "q")
         await until(lambda: not app.is_running, "the app to exit", timeout=3)
