@@ -86,7 +86,7 @@ class DptuiApp(App[None]):
         self._trainer_factory = trainer_factory
         self._clock = clock
         self._refresh_interval = refresh_interval
-        self.session = Session(RunView(clock))
+        self.session = Session(self._new_view())
         self._worker: Worker | None = None
         self._restarting = False
         self._shown_version = -1
@@ -118,8 +118,12 @@ class DptuiApp(App[None]):
 
     # -- the run ----------------------------------------------------------------------
 
+    def _new_view(self) -> RunView:
+        """What the run's events feed and the screen shows (a recording's viewer shows a ReplayView)."""
+        return RunView(self._clock)
+
     def _start_run(self) -> None:
-        self.session = Session(RunView(self._clock))
+        self.session = Session(self._new_view())
         self._shown_version = -1
         self._worker = self._train(self.session)
 

@@ -7,6 +7,7 @@ Exit status: 0 done, 1 training failed, 2 bad usage, 130 stopped by Ctrl-C.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import signal
 import sys
@@ -21,6 +22,13 @@ if TYPE_CHECKING:
 RunFactory = Callable[[], "Run"]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+# `dptui NAME ...`: each subcommand parses its own arguments in its module's main(argv).
+SUBCOMMANDS = {"view": "tui.view_cli"}
+SUBCOMMAND_HELP = """subcommands:
+  dptui view LOG.jsonl  open a recorded run (--log FILE, or --headless --json output);
+                        --follow keeps reading it, --headless prints a per-device summary
+"""
 
 
 class UsageError(Exception):
@@ -65,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="dptui",
         description="See and steer data-parallel PyTorch training from the terminal.",
-        epilog="Exit status: 0 done, 1 training failed, 2 bad usage, 130 interrupted.",
+        epilog=SUBCOMMAND_HELP + "\nExit status: 0 done, 1 training failed, 2 bad usage, 130 interrupted.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"dptui {__version__}")
     parser.add_argument(
@@ -296,6 +305,9 @@ class _StopOnInterrupt:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in SUBCOMMANDS:
+        return importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:])
     try:
         settings = check_args(argv)
         factory = make_trainer_factory(settings, headless=settings.args.headless)

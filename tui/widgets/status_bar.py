@@ -16,6 +16,7 @@ STATE_STYLES = {
     "stopped": "cyan",
     "failed": "bold red",
     "starting": "dim",
+    "recording": "bold blue",
 }
 
 

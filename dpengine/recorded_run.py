@@ -1,0 +1,88 @@
+"""A recorded run, replayed from its log for the UI as a live run's events.
+
+`RecordedRun` has the methods the UI calls on a trainer (run, subscribe, pause, resume,
+stop, set_batch_size, set_devices, devices, config): `run()` publishes the log's events
+on the calling thread and, with follow, goes on publishing while the file grows, until
+stop() or, with stop_at_end, the run's last event (a UI that restarts a run goes on
+writing the same log). Steering raises ValueError: the run already happened.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+
+from .eventlog import EventLogReader
+from .events import ConfigChanged, Publisher, RunConfig, RunFailed, RunFinished, RunStarted
+
+FOLLOW_POLL_S = 0.2  # how often a followed file is checked for new lines
+
+
+class RecordedRun(Publisher):
+    def __init__(
+        self, path: str | os.PathLike, *, follow: bool = False, stop_at_end: bool = True,
+        poll_s: float = FOLLOW_POLL_S,
+    ) -> None:
+        super().__init__()
+        self.path = os.fspath(path)
+        self.follow = follow
+        self._stop_at_end = stop_at_end
+        self._poll_s = poll_s
+        self._stop = threading.Event()
+        self._config: RunConfig | None = None
+        self._devices: tuple[str, ...] = ()
+        self._end: RunFinished | RunFailed | None = None
+
+    def run(self) -> RunFinished | RunFailed | None:
+        """Publish the recorded events; the run's end as recorded (None if the log has none yet)."""
+        self._end = None
+        with EventLogReader(self.path) as reader:
+            while not self._stop.is_set():
+                for event in reader.iter_new():
+                    self._replay(event)
+                if not reader.at_end:
+                    continue
+                if not self.follow:
+                    for event in reader.read_rest():  # a last line without its newline
+                        self._replay(event)
+                    break
+                if self._end is not None and self._stop_at_end:
+                    break
+                self._stop.wait(self._poll_s)
+        return self._end
+
+    def _replay(self, event: object) -> None:
+        if isinstance(event, RunStarted):
+            self._config = event.config
+            self._devices = event.config.devices
+        elif isinstance(event, ConfigChanged):
+            self._devices = event.devices
+        elif isinstance(event, (RunFinished, RunFailed)):
+            self._end = event
+        self._publish(event)
+
+    def stop(self) -> None:
+        """Stop reading (a followed file is polled, so this takes effect within poll_s)."""
+        self._stop.set()
+
+    def pause(self) -> None:
+        raise ValueError("Cannot pause: this is a recording.")
+
+    def resume(self) -> None:
+        raise ValueError("Cannot resume: this is a recording.")
+
+    def set_batch_size(self, batch_size: int) -> None:
+        raise ValueError("Cannot change the batch size: this is a recording.")
+
+    def set_devices(self, devices: Sequence[str]) -> None:
+        raise ValueError("Cannot change the devices: this is a recording.")
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """The devices in use at the last event read."""
+        return self._devices
+
+    def config(self) -> RunConfig | None:
+        """The recorded run's configuration, once its run_started has been read."""
+        return self._config

@@ -1,0 +1,221 @@
+"""Reading a run's JSON Lines back: every event round-trips, and a growing, cut or foreign file."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+
+from dpengine import eventlog
+from dpengine.eventlog import (
+    EventLogError,
+    EventLogReader,
+    OtherEvent,
+    check_event_log,
+    decode_event,
+    read_event_log,
+)
+from dpengine.events import (
+    ConfigChanged,
+    RunFailed,
+    RunFinished,
+    StateChanged,
+    StepFinished,
+    TelemetrySampled,
+    to_json_dict,
+)
+from dpengine.recorded_run import RecordedRun
+from dpengine.run_summary import summarize
+from dpengine.runlog import JsonLinesWriter
+
+from ui_fakes import demo_events, gpu_sample, step_event
+
+DEVICES = ("cpu:0", "cpu:1", "cpu:2")
+
+
+def every_kind_of_event() -> list:
+    return [
+        *demo_events(DEVICES, epochs=1),
+        TelemetrySampled((gpu_sample("cuda:0", 0),)),
+        StateChanged("paused", "at your request"),
+        ConfigChanged(60, ("cpu:0", "cpu:1"), step=5),
+        step_event(5, 2, 1, 2, 60, ("cuda:0", "cuda:1")),  # with CUDA peaks
+        RunFinished(final_loss=0.25, epochs=2, steps=5, samples=160, seconds=1.5, stopped=True),
+        RunFailed("ValueError: bad", "ValueError", replica=1, device="cpu:1", traceback="Traceback ..."),
+    ]
+
+
+def jsonl(events) -> str:
+    out = io.StringIO()
+    writer = JsonLinesWriter(out)
+    for event in events:
+        writer(event)
+    return out.getvalue()
+
+
+def test_every_event_comes_back_equal_to_what_was_written(tmp_path):
+    events = every_kind_of_event()
+    path = tmp_path / "run.jsonl"
+    path.write_text(jsonl(events))
+    assert read_event_log(path) == events
+
+
+def test_a_log_longer_than_one_read_is_published_whole(tmp_path, monkeypatch):
+    monkeypatch.setattr(eventlog, "READ_BYTES", 64)  # lines span reads
+    events = every_kind_of_event()
+    path = tmp_path / "run.jsonl"
+    path.write_text(jsonl(events).rstrip("\n"))  # and the last line has no newline
+    recording = RecordedRun(path)
+    seen: list = []
+    recording.subscribe(seen.append)
+    assert recording.run() == events[-1]  # the run's last end as recorded
+    assert seen == events
+
+
+def test_nan_written_as_null_comes_back_as_nan():
+    data = to_json_dict(step_event(1, 1, 1, 4, 30, DEVICES, loss=float("nan")))
+    assert data["loss"] is None
+    assert math.isnan(decode_event(data).loss)
+
+
+def test_unknown_types_and_fields_are_kept_not_fatal(tmp_path):
+    step = to_json_dict(step_event(1, 1, 1, 4, 30, DEVICES))
+    step["from_the_future"] = 1
+    step["replicas"][0]["new_metric"] = 2.0
+    lines = [
+        {"type": "output", "stream": "stderr", "line": "epoch 1"},
+        step,
+        {"type": "balance", "weights": [2, 1, 1]},
+    ]
+    path = tmp_path / "newer.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    events = read_event_log(path)
+    assert events[0] == OtherEvent("output", {"stream": "stderr", "line": "epoch 1"})
+    assert events[1] == step_event(1, 1, 1, 4, 30, DEVICES)
+    assert events[2].type == "balance"
+    check_event_log(path)  # a log may start with a script's output
+
+
+def test_a_truncated_last_line_is_left_out_not_an_error(tmp_path):
+    text = jsonl(demo_events(DEVICES, epochs=1))
+    path = tmp_path / "cut.jsonl"
+    path.write_text(text[: len(text) - 40])  # the last line cut mid-write
+    events = read_event_log(path)
+    assert len(events) == len(demo_events(DEVICES, epochs=1)) - 1
+    path.write_text(text.rstrip("\n"))  # whole, only its newline missing
+    assert len(read_event_log(path)) == len(demo_events(DEVICES, epochs=1))
+
+
+def test_the_reader_hands_a_partial_line_over_once_it_is_whole(tmp_path):
+    line = jsonl([StateChanged("paused")])
+    path = tmp_path / "growing.jsonl"
+    path.write_bytes(b"")
+    with EventLogReader(path) as reader, open(path, "a", encoding="utf-8") as log:
+        log.write(line[:10])
+        log.flush()
+        assert reader.read_new() == []
+        log.write(line[10:])
+        log.flush()
+        assert reader.read_new() == [StateChanged("paused")]
+
+
+@pytest.mark.parametrize(
+    ("content", "words"),
+    [
+        ("# dptui\nSee and steer\n", "line 1 is not JSON"),
+        ('{"name": "x"}\n', "line 1 has no event type"),
+        ("[1, 2]\n", "line 1 has no event type"),
+        ('{"type": "commit", "sha": "abc"}\n', "line 1 is a 'commit' object"),
+        ("\x89PNG\r\n\x1a\n", "line 1 is not JSON"),
+    ],
+)
+def test_a_file_that_is_not_a_dptui_log_is_refused(tmp_path, content, words):
+    path = tmp_path / "other.txt"
+    path.write_text(content, encoding="latin-1")
+    with pytest.raises(EventLogError, match=words):
+        check_event_log(path)
+
+
+def test_a_damaged_line_in_the_middle_names_its_number(tmp_path):
+    lines = jsonl(demo_events(DEVICES, epochs=1)).splitlines(keepends=True)
+    lines[3] = '{"type": "step", "epoch": 1}\n'  # a step without its replicas
+    path = tmp_path / "damaged.jsonl"
+    path.write_text("".join(lines))
+    check_event_log(path)  # its start is fine
+    with pytest.raises(EventLogError, match="line 4: a damaged 'step' event"):
+        read_event_log(path)
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_a_followed_recording_publishes_lines_as_they_are_written_until_the_run_ends(tmp_path):
+    events = demo_events(DEVICES, epochs=1)
+    finished = RunFinished(final_loss=0.3, epochs=1, steps=4, samples=100, seconds=0.1, stopped=False)
+    path = tmp_path / "live.jsonl"
+    path.write_text(jsonl(events[:3]))
+    recording = RecordedRun(path, follow=True, poll_s=0.01)
+    seen: list = []
+    recording.subscribe(seen.append)
+    result: list = []
+    reader = threading.Thread(target=lambda: result.append(recording.run()))
+    reader.start()
+    wait_for(lambda: len(seen) == 3, "the first three events")
+    assert recording.config().devices == DEVICES
+    rest = jsonl(events[3:] + [finished])
+    with open(path, "a", encoding="utf-8") as log:
+        log.write(rest[:25])  # a line half written: read only once it is whole
+        log.flush()
+        log.write(rest[25:])
+    reader.join(timeout=10)
+    assert not reader.is_alive(), "the run ended, so following stops"
+    assert seen == events + [finished]
+    assert result == [finished]
+
+
+def test_without_stop_at_end_following_goes_on_after_the_run_until_stop(tmp_path):
+    finished = RunFinished(final_loss=0.3, epochs=1, steps=4, samples=100, seconds=0.1, stopped=False)
+    path = tmp_path / "restarted.jsonl"
+    path.write_text(jsonl([*demo_events(DEVICES, epochs=1), finished]))
+    recording = RecordedRun(path, follow=True, stop_at_end=False, poll_s=0.01)
+    seen: list = []
+    recording.subscribe(seen.append)
+    reader = threading.Thread(target=recording.run)
+    reader.start()
+    with open(path, "a", encoding="utf-8") as log:
+        log.write(jsonl(demo_events(DEVICES, epochs=1)[:1]))  # the UI restarted the run
+    wait_for(lambda: len(seen) == len(demo_events(DEVICES, epochs=1)) + 2, "the second run's start")
+    assert reader.is_alive()
+    recording.stop()
+    reader.join(timeout=5)
+    assert not reader.is_alive()
+
+
+def test_a_recording_cannot_be_steered(tmp_path):
+    recording = RecordedRun(tmp_path / "any.jsonl")
+    for steer in (recording.pause, recording.resume, lambda: recording.set_batch_size(60),
+                  lambda: recording.set_devices(["cpu:0"])):
+        with pytest.raises(ValueError, match="this is a recording"):
+            steer()
+
+
+def test_summary_per_device_over_the_whole_run():
+    events = [*demo_events(DEVICES, epochs=1), step_event(5, 2, 1, 1, 60, ("cuda:0", "cuda:1"))]
+    by_device = {s.device: s for s in summarize(events)}
+    assert list(by_device) == [*DEVICES, "cuda:0", "cuda:1"]
+    cpu0 = by_device["cpu:0"]
+    steps = [e for e in events[:-1] if isinstance(e, StepFinished)]
+    assert cpu0.chunks == 4
+    assert cpu0.rows == sum(s.record.replicas[0].chunk_size for s in steps)
+    assert cpu0.forward_ms == pytest.approx(sum(s.record.replicas[0].forward_ms for s in steps) / 4)
+    assert cpu0.peak_memory_bytes == max(s.record.replicas[0].memory_bytes for s in steps)
+    assert by_device["cuda:1"].peak_memory_bytes == events[-1].record.replicas[1].peak_memory_bytes

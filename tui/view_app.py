@@ -1,0 +1,109 @@
+"""`dptui view LOG`: the app's screen on a recorded run, stepped through with the arrow keys.
+
+The recording is read on the app's training worker thread (it is a `RecordedRun`, driven
+like a trainer) into a `ReplayView`; the screen pulls from it at the app's 10 Hz as it
+does from a live run. Steering keys say that a recording cannot be steered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from textual.binding import Binding
+from textual.screen import ModalScreen
+
+from dpengine.recorded_run import RecordedRun
+
+from .app import PLAIN_KEY_ACTIONS, DptuiApp
+from .replay import ReplayView
+
+STEP_ACTIONS = {"step", "first", "last"}
+
+
+class ViewerApp(DptuiApp):
+    TITLE = "dptui view"
+    INHERIT_BINDINGS = False
+    # priority: the log, when focused, would scroll on these keys instead
+    BINDINGS = [
+        Binding("left", "step(-1)", "Back", key_display="←", priority=True, tooltip="The step before"),
+        Binding("right", "step(1)", "Next", key_display="→", priority=True, tooltip="The step after"),
+        Binding("home", "first", "First", priority=True, tooltip="The first recorded step"),
+        Binding("end", "last", "Last", priority=True, tooltip="The last step, following new ones"),
+        Binding("l", "toggle_log", "Log", tooltip="Show or hide the log"),
+        Binding("question_mark", "help", "Help", key_display="?", tooltip="This help"),
+        Binding("q", "quit_app", "Quit", tooltip="Quit"),
+        # A live run's steering keys: each says why it does nothing here.
+        Binding("space", "pause", show=False),
+        Binding("plus", "scale_batch(2)", show=False),
+        Binding("minus", "scale_batch(0.5)", show=False),
+        Binding("b", "ask_batch", show=False),
+        *(Binding(str(n), f"toggle_device({n - 1})", show=False) for n in range(1, 10)),
+        Binding("d", "pick_devices", show=False),
+        Binding("r", "restart", show=False),
+    ]
+
+    def __init__(self, recording: RecordedRun, **kwargs) -> None:
+        self.recording = recording
+        super().__init__(lambda: recording, **kwargs)
+
+    def _new_view(self) -> ReplayView:
+        return ReplayView()
+
+    @property
+    def replay(self) -> ReplayView:
+        return self.session.view
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        screens = self.screen_stack  # empty while shutting down
+        if action in PLAIN_KEY_ACTIONS | STEP_ACTIONS and (not screens or isinstance(screens[-1], ModalScreen)):
+            return False
+        return True
+
+    # -- stepping ---------------------------------------------------------------------
+
+    def _move(self, **where: int) -> None:
+        if self.replay.move(**where):
+            self.log_view.clear()  # the log as it was at that step, written anew
+        self.refresh_view()
+
+    def action_step(self, by: int) -> None:
+        self._move(by=by)
+
+    def action_first(self) -> None:
+        self._move(to=0)
+
+    def action_last(self) -> None:
+        self._move(to=-1)
+
+    # -- a live run's keys ------------------------------------------------------------
+
+    def _refuse(self, steer: Callable[[], None]) -> None:
+        try:
+            steer()
+        except ValueError as refusal:  # the recording's own words
+            self.notify(str(refusal), severity="warning")
+
+    def action_pause(self) -> None:
+        self._refuse(self.recording.pause)
+
+    action_resume = action_pause
+
+    def action_scale_batch(self, factor: float = 1.0) -> None:
+        self._refuse(lambda: self.recording.set_batch_size(1))
+
+    action_ask_batch = action_scale_batch
+
+    def action_toggle_device(self, index: int = 0) -> None:
+        self._refuse(lambda: self.recording.set_devices(self.recording.devices))
+
+    action_pick_devices = action_toggle_device
+
+    def action_restart(self) -> None:
+        self.notify("Cannot restart: this is a recording.", severity="warning")
+
+
+def run_viewer(recording: RecordedRun) -> int:
+    """Show the recording in this terminal until the user quits; the exit status."""
+    app = ViewerApp(recording)
+    app.run()
+    return app.return_code or 0

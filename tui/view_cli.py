@@ -1,0 +1,122 @@
+"""`dptui view [--follow] [--headless] LOG`: open a recorded run, or print its per-device summary.
+
+Bad input (no such file, not a dptui log) gets one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, NoReturn
+
+EXIT_OK, EXIT_USAGE, EXIT_INTERRUPTED = 0, 2, 130
+
+
+class UsageError(Exception):
+    """One line saying what is wrong."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see dptui view --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="dptui view",
+        description="Open a recorded run: a --log file, or what --headless --json printed. "
+        "Left and right step through its steps, home and end jump to the first and last.",
+        epilog="Exit status: 0 done, 2 bad usage or not a dptui log, 130 interrupted.",
+    )
+    parser.add_argument("log", metavar="LOG.jsonl", help="the JSON Lines of a run")
+    parser.add_argument("--follow", "-f", action="store_true",
+                        help="keep reading while the file grows (a run still writing it)")
+    parser.add_argument("--headless", action="store_true",
+                        help="print a per-device summary: chunks, mean forward and backward ms, peak memory")
+    return parser
+
+
+def check_log(path: str, follow: bool) -> None:
+    """A UsageError unless `path` is a readable dptui log (empty only while following)."""
+    from dpengine.eventlog import EventLogError, check_event_log
+
+    file = Path(path)
+    if not file.exists():
+        raise UsageError(f"{path}: no such file")
+    if not file.is_file():
+        raise UsageError(f"{path}: not a file")
+    try:
+        check_event_log(file)
+    except OSError as error:
+        raise UsageError(f"{path}: {error.strerror or error}") from None
+    except EventLogError as error:
+        raise UsageError(f"{path}: {error}") from None
+    if not follow and file.stat().st_size == 0:
+        raise UsageError(f"{path}: empty, not a dptui log (--follow waits for a run to write it)")
+
+
+def summary_lines(events: Sequence[object]) -> list[str]:
+    """The run in one line, then a table with one row per device."""
+    from dpengine.events import RunFailed, RunFinished, RunStarted, StepFinished
+    from dpengine.run_summary import summarize
+
+    from . import format as fmt
+
+    started = next((e for e in events if isinstance(e, RunStarted)), None)
+    end = next((e for e in reversed(events) if isinstance(e, (RunFinished, RunFailed))), None)
+    steps = sum(isinstance(e, StepFinished) for e in events)
+    head = f"{started.config.workload} · {started.config.backend}" if started else "a run without its start"
+    if isinstance(end, RunFinished):
+        outcome = f"{'stopped' if end.stopped else 'finished'}, final loss {fmt.loss(end.final_loss)}"
+    elif isinstance(end, RunFailed):
+        outcome = f"failed: {end.error}"
+    else:
+        outcome = "not finished"
+    rows = [("device", "chunks", "rows", "forward ms", "backward ms", "peak memory")]
+    for s in summarize(events):
+        rows.append((s.device, str(s.chunks), str(s.rows), fmt.ms(s.forward_ms), fmt.ms(s.backward_ms),
+                     fmt.size(s.peak_memory_bytes)))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    table = [
+        "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+        for row in rows
+    ]
+    return [f"{head}: {steps} step{'' if steps == 1 else 's'}, {outcome}", *table]
+
+
+def print_summary(recording, out: IO[str]) -> int:
+    events: list[object] = []
+    recording.subscribe(events.append)
+    code = EXIT_OK
+    try:
+        recording.run()
+    except KeyboardInterrupt:  # while following: the summary of what was read
+        code = EXIT_INTERRUPTED
+    out.write("\n".join(summary_lines(events)) + "\n")
+    return code
+
+
+def main(argv: Sequence[str]) -> int:
+    from dpengine.eventlog import EventLogError
+    from dpengine.recorded_run import RecordedRun
+
+    try:
+        args = build_parser().parse_args(argv)
+        check_log(args.log, args.follow)
+        # The UI follows until quit: the log may go on with a restarted run.
+        recording = RecordedRun(args.log, follow=args.follow, stop_at_end=args.headless)
+        if args.headless:
+            return print_summary(recording, sys.stdout)
+        from .view_app import run_viewer
+
+        return run_viewer(recording)
+    except (UsageError, EventLogError) as error:
+        # An EventLogError here is damage past the first line, found while reading.
+        where = "" if isinstance(error, UsageError) else f"{args.log}: "
+        print(f"dptui view: error: {where}{error}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("dptui view: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
