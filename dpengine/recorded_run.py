@@ -1,10 +1,9 @@
 """A recorded run, replayed from its log for the UI as a live run's events.
 
-`RecordedRun` has the methods the UI calls on a trainer (run, subscribe, pause, resume,
-stop, set_batch_size, set_devices, devices, config): `run()` publishes the log's events
+`RecordedRun` is a `Run` (see run_protocol.py) with no controls: `run()` publishes the log's events
 on the calling thread and, with follow, goes on publishing while the file grows, until
 stop() or, with stop_at_end, the run's last event (a UI that restarts a run goes on
-writing the same log). Steering raises ValueError: the run already happened.
+writing the same log). Steering raises ControlUnsupported: the run already happened.
 """
 
 from __future__ import annotations
@@ -15,11 +14,14 @@ from collections.abc import Sequence
 
 from .eventlog import EventLogReader
 from .events import ConfigChanged, Publisher, RunConfig, RunFailed, RunFinished, RunStarted
+from .run_protocol import BATCH_SIZE, DEVICES, PAUSE, ControlUnsupported
 
 FOLLOW_POLL_S = 0.2  # how often a followed file is checked for new lines
 
 
 class RecordedRun(Publisher):
+    controls: frozenset[str] = frozenset()  # a recording cannot be steered
+
     def __init__(
         self, path: str | os.PathLike, *, follow: bool = False, stop_at_end: bool = True,
         poll_s: float = FOLLOW_POLL_S,
@@ -67,16 +69,16 @@ class RecordedRun(Publisher):
         self._stop.set()
 
     def pause(self) -> None:
-        raise ValueError("Cannot pause: this is a recording.")
+        raise ControlUnsupported(PAUSE, "Cannot pause: this is a recording.")
 
     def resume(self) -> None:
-        raise ValueError("Cannot resume: this is a recording.")
+        raise ControlUnsupported(PAUSE, "Cannot resume: this is a recording.")
 
     def set_batch_size(self, batch_size: int) -> None:
-        raise ValueError("Cannot change the batch size: this is a recording.")
+        raise ControlUnsupported(BATCH_SIZE, "Cannot change the batch size: this is a recording.")
 
     def set_devices(self, devices: Sequence[str]) -> None:
-        raise ValueError("Cannot change the devices: this is a recording.")
+        raise ControlUnsupported(DEVICES, "Cannot change the devices: this is a recording.")
 
     @property
     def devices(self) -> tuple[str, ...]:

@@ -42,7 +42,7 @@ def every_kind_of_event() -> list:
     return [
         *demo_events(DEVICES, epochs=1),
         TelemetrySampled((gpu_sample("cuda:0", 0),)),
-        StateChanged("paused", "at your request"),
+        StateChanged("paused"),
         ConfigChanged(60, ("cpu:0", "cpu:1"), step=5),
         step_event(5, 2, 1, 2, 60, ("cuda:0", "cuda:1")),  # with CUDA peaks
         RunFinished(final_loss=0.25, epochs=2, steps=5, samples=160, seconds=1.5, stopped=True),
