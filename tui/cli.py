@@ -60,7 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="dptui",
         description="See and steer data-parallel PyTorch training from the terminal.",
-        epilog="Exit status: 0 done, 1 training failed, 2 bad usage, 130 interrupted.",
+        epilog="Exit status: 0 done, 1 training failed, 2 bad usage, 130 interrupted. "
+        "Subcommands: dptui run [OPTIONS] (SCRIPT.py | -m MODULE) [ARGS...] watches your own "
+        "training script (dptui run --help).",
     )
     parser.add_argument("--version", action="version", version=f"dptui {__version__}")
     parser.add_argument(
@@ -312,6 +314,11 @@ class _stop_on_interrupt:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["run"]:
+        from .run_cli import main as run_main
+
+        return run_main(argv[1:])
     try:
         settings = check_args(argv)
         factory = make_trainer_factory(settings, headless=settings.args.headless)

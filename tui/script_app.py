@@ -1,0 +1,129 @@
+"""The Textual app over a `dptui run` script: the same panels, with the keys a script allows."""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import sys
+import time
+from collections.abc import Callable
+
+from dpengine.events import Event, RunFailed, RunFinished, RunStarted
+
+from .app import DptuiApp
+from .script_events import DataParallelSeen, ScriptEvent, ScriptExited, ScriptOutput
+from .script_run import BATCH_OWNED, ScriptRun
+from .session import Session
+from .state import LogLine, Notice, RunView, Snapshot
+
+WAIT_NOTE_AFTER_S = 0.5
+
+
+class ScriptRunView(RunView):
+    """RunView plus the script's output, its DataParallel objects and its exit status."""
+
+    def __init__(self, label: str, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(clock)
+        self._label = label
+        self._exit: ScriptExited | None = None
+
+    def feed(self, event: Event | ScriptEvent) -> None:
+        if isinstance(event, (RunFinished, RunFailed)):
+            return  # ScriptExited says it, in the script's terms
+        if isinstance(event, RunStarted):
+            super().feed(event)
+            with self._lock:
+                config = event.config
+                self._log[-1] = LogLine(f"first step of {config.workload.split(' · ')[-1]} on {', '.join(config.devices)}", "event")
+            return
+        handler = {ScriptOutput: self._on_output, DataParallelSeen: self._on_seen,
+                   ScriptExited: self._on_exit}.get(type(event))
+        if handler is None:
+            super().feed(event)
+            return
+        with self._lock:
+            self._version += 1
+            handler(event)
+
+    def _on_output(self, event: ScriptOutput) -> None:
+        self._log.append(LogLine(event.line, "error" if event.stream == "stderr" else "model"))
+
+    def _on_seen(self, event: DataParallelSeen) -> None:
+        more = "" if event.count == 1 else " (the panels show the first one that stepped)"
+        self._event(f"DataParallel #{event.count}: {event.instance} on {', '.join(event.devices)}{more}")
+
+    def _on_exit(self, event: ScriptExited) -> None:
+        self._exit = event
+        self._end("finished" if event.code == 0 else "failed")
+        how = f" ({event.signal})" if event.signal else ""
+        self._event(f"script exited {event.code}{how}")
+        self._notices.append(Notice(f"script exited {event.code}{how} — q to quit", title="Script ended",
+                                    severity="information" if event.code == 0 else "error"))
+
+    @property
+    def ended(self) -> bool:
+        return self._exit is not None or super().ended
+
+    def snapshot(self) -> Snapshot:
+        snap = super().snapshot()
+        # A script's loss is its own: dptui sees only what passes through DataParallel.
+        snap = dataclasses.replace(snap, loss=None, loss_history=())
+        if self._exit is not None:
+            return dataclasses.replace(snap, state=f"script exited {self._exit.code} — q to quit",
+                                       workload=snap.workload or self._label)
+        if not snap.workload:
+            return dataclasses.replace(snap, workload=self._label, state="no DataParallel seen yet")
+        return snap
+
+
+class ScriptApp(DptuiApp):
+    """Steers a ScriptRun: space pauses at the next DataParallel forward, 1-9/d move it, q stops it."""
+
+    def __init__(self, run: ScriptRun, **kwargs) -> None:
+        super().__init__(lambda: run, **kwargs)
+        self.run_ = run
+        self.title = f"dptui run {run.target.label}"
+
+    def _start_run(self) -> None:
+        self.session = Session(ScriptRunView(self.run_.target.label, self._clock))
+        self._shown_version = -1
+        self._worker = self._train(self.session)
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "restart":
+            return False  # a script cannot be run again from fresh weights
+        if action in ("scale_batch", "ask_batch"):
+            return super().check_action("help", parameters)  # shown, to say who owns the batch
+        return super().check_action(action, parameters)
+
+    def action_scale_batch(self, factor: float) -> None:
+        self._say(BATCH_OWNED)
+
+    def action_ask_batch(self) -> None:
+        self._say(BATCH_OWNED)
+
+    def action_restart(self) -> None:
+        self._say("A script cannot be restarted from dptui.")
+
+
+def run_script_app(run: ScriptRun) -> int:
+    """The UI until q; then the script is stopped (if still running) and its status returned."""
+    app = ScriptApp(run)
+
+    def on_signal(signum, frame) -> None:  # dptui itself told to stop: the script goes too
+        run.stop()
+        app.exit()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        app.run()
+        run.stop()
+        if not run.wait(WAIT_NOTE_AFTER_S):
+            print("dptui: waiting for the script to stop (SIGINT, then SIGTERM, then SIGKILL)",
+                  file=sys.stderr, flush=True)
+            run.wait()
+    finally:
+        run.kill()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    return run.exit_code if run.exit_code is not None else 0
