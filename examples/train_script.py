@@ -26,8 +26,7 @@ def main():
     model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 2))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = model.to(device)
-    if torch.cuda.device_count() > 1 or device == "cpu":
-        model = nn.DataParallel(model)
+    model = nn.DataParallel(model)  # all GPUs; under `dptui run` without one, virtual CPU devices
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import os
 import runpy
+import signal
 import sys
 import traceback
 
@@ -56,18 +57,26 @@ def main() -> None:
     _connect()
     try:
         _run(argv)
-    except (SystemExit, KeyboardInterrupt):
-        raise  # the interpreter turns these into the status (130 via SIGINT for Ctrl-C)
+    except SystemExit:
+        raise  # the interpreter turns it into the status
     except BaseException as error:  # noqa: BLE001 - shown as Python would, minus our frames
         traceback.print_exception(type(error), error, _user_frames(error.__traceback__))
         sys.stderr.flush()
+        if isinstance(error, KeyboardInterrupt):
+            # As Python does: exit handlers, then die of SIGINT so the status says so (130).
+            atexit._run_exitfuncs()
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
         sys.exit(1)
 
 
 def _user_frames(tb):
-    """Drop the bootstrap's and runpy's frames from the top, as `python script.py` shows none."""
-    ours = (os.path.abspath(__file__), os.path.abspath(runpy.__file__))
-    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) in ours:
+    """Drop the bootstrap's and runpy's frames from the top, as `python script.py` shows none.
+
+    Ours are absolute paths (`python -m` imports by absolute path); runpy's is frozen or its file.
+    """
+    ours = (os.path.abspath(__file__), os.path.abspath(runpy.__file__), "<frozen runpy>")
+    while tb is not None and tb.tb_frame.f_code.co_filename in ours:
         tb = tb.tb_next
     return tb
 
