@@ -28,8 +28,12 @@ LIFELINE_GRACE_S = 3.0
 
 
 class ParentLink:
-    def __init__(self, events_fd: int, control_fd: int, devices: tuple[str, ...]) -> None:
+    def __init__(
+        self, events_fd: int, control_fd: int, devices: tuple[str, ...],
+        on_parent_gone: Callable[[], None] | None = None,
+    ) -> None:
         self.devices = devices  # what device_ids=None means in this run
+        self._on_parent_gone = on_parent_gone or _end_process_group
         self._events_fd = events_fd
         self._control_fd = control_fd
         self._cond = threading.Condition()
@@ -37,6 +41,7 @@ class ParentLink:
         self._steps: deque[tuple[str, StepRecord, float]] = deque()
         self._coalesced: dict[str, tuple[str, StepRecord, float]] = {}
         self._dropped = 0
+        self._writing = False  # taken from the queues, not yet in the pipe
         self._broken = False
         self._started = time.monotonic()
         self._last_forward: dict[str, float] = {}
@@ -85,7 +90,7 @@ class ParentLink:
         """Wait (bounded) until everything queued is written: the last steps of a script that ends."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while (self._messages or self._steps or self._coalesced) and not self._broken:
+            while (self._writing or self._messages or self._steps or self._coalesced) and not self._broken:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return
@@ -105,6 +110,7 @@ class ParentLink:
                 self._steps.clear()
                 self._coalesced.clear()
                 self._dropped = 0
+                self._writing = True
             lines = [json.dumps(m, separators=(",", ":")) for m in messages]
             lines += [self._step_line(*item) for item in steps]
             lines += self._thread_lines()
@@ -118,12 +124,17 @@ class ParentLink:
                     self._cond.notify_all()
                 return
             with self._cond:
-                self._cond.notify_all()  # flush() waits for an empty queue
+                self._writing = False
+                self._cond.notify_all()  # flush() waits for all of it to be written
 
     def _step_line(self, instance: str, record: StepRecord, at: float) -> str:
         previous = self._last_forward.get(instance)
         self._last_forward[instance] = at
-        rate = record.batch_size / (at - previous) if previous is not None and at > previous else math.nan
+        if previous is not None and at > previous:
+            rate = record.batch_size / (at - previous)  # the script's whole step, data loading included
+        else:  # the first step: what the engine itself took
+            spent_ms = record.total_ms + (record.backward_ms or 0.0)
+            rate = record.batch_size / (spent_ms / 1000.0) if spent_ms > 0 else 0.0
         event = StepFinished(
             epoch=0, step=record.step, step_in_epoch=record.step, steps_in_epoch=0,
             batch_size=record.batch_size,
@@ -154,7 +165,7 @@ class ParentLink:
                 *lines, buffer = buffer.split(b"\n")
                 for line in lines:
                     self._apply(json.loads(line))
-        _end_process_group()
+        self._on_parent_gone()
 
     def _apply(self, message: dict[str, Any]) -> None:
         op = message.get("op")
