@@ -117,7 +117,7 @@ def test_instances_are_told_apart_and_a_rebuilt_one_is_not_new(tmp_path):
     assert seen == ["DataParallel(Linear)@instances.py:9", "DataParallel(Linear)@instances.py:11"]
     # The panels follow the first DataParallel that stepped: three epochs of the rebuilt model.
     assert [s["step"] for s in of_type(events, "step")] == [1, 1, 1]
-    assert of_type(events, "run_started")[0]["config"]["workload"] == "instances.py · " + seen[1]
+    assert of_type(events, "run_started")[0]["config"]["workload"] == seen[1]
 
 
 def test_spawned_dataloader_workers_find_the_script_as_main():

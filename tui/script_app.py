@@ -6,15 +6,21 @@ import dataclasses
 import signal
 import sys
 import time
+from collections import deque
 from collections.abc import Callable
+
+from rich.text import Text
+from textual.binding import Binding
 
 from dpengine.events import Event, RunFailed, RunFinished, RunStarted
 
+from . import format as fmt
 from .app import DptuiApp
 from .script_events import DataParallelSeen, ScriptEvent, ScriptExited, ScriptOutput
 from .script_run import BATCH_OWNED, ScriptRun
 from .session import Session
-from .state import LogLine, Notice, RunView, Snapshot
+from .state import HISTORY_POINTS, LogLine, Notice, RunView, Snapshot
+from .widgets.status_bar import STATE_STYLES, StatusBar
 
 WAIT_NOTE_AFTER_S = 0.5
 
@@ -30,11 +36,12 @@ class ScriptRunView(RunView):
     def feed(self, event: Event | ScriptEvent) -> None:
         if isinstance(event, (RunFinished, RunFailed)):
             return  # ScriptExited says it, in the script's terms
-        if isinstance(event, RunStarted):
+        if isinstance(event, RunStarted):  # the first step of the DataParallel the panels follow
             super().feed(event)
             with self._lock:
+                self._throughput, self._throughput_history = None, deque(maxlen=HISTORY_POINTS)
                 config = event.config
-                self._log[-1] = LogLine(f"first step of {config.workload.split(' · ')[-1]} on {', '.join(config.devices)}", "event")
+                self._log[-1] = LogLine(f"panels follow {config.workload} on {', '.join(config.devices)}", "event")
             return
         handler = {ScriptOutput: self._on_output, DataParallelSeen: self._on_seen,
                    ScriptExited: self._on_exit}.get(type(event))
@@ -49,7 +56,7 @@ class ScriptRunView(RunView):
         self._log.append(LogLine(event.line, "error" if event.stream == "stderr" else "model"))
 
     def _on_seen(self, event: DataParallelSeen) -> None:
-        more = "" if event.count == 1 else " (the panels show the first one that stepped)"
+        more = "" if event.count == 1 else " (i switches the panels to it)"
         self._event(f"DataParallel #{event.count}: {event.instance} on {', '.join(event.devices)}{more}")
 
     def _on_exit(self, event: ScriptExited) -> None:
@@ -76,13 +83,40 @@ class ScriptRunView(RunView):
         return snap
 
 
+class ScriptStatusBar(StatusBar):
+    """A script has no epochs or loss that dptui knows of: its program, DataParallel, steps, state."""
+
+    def __init__(self, label: str, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._label = label
+
+    def _draw(self) -> None:
+        snap = self._snap
+        sep = Text(" │ ", style="dim")
+        parts = [Text(self._label, style="bold")]
+        if snap.step:
+            parts += [Text(snap.workload), Text(f"batch {snap.batch_size}"), Text(f"step {snap.step}"),
+                      Text(f"{fmt.rate(snap.samples_per_s)} samples/s")]
+        state = Text(f"● {snap.state}", style=STATE_STYLES.get(snap.state, "bold"))
+        if snap.pending:
+            state.append(f": {snap.pending}", style="magenta")
+        text = sep.join([*parts, state])
+        self.update(text, layout=False)
+
+
 class ScriptApp(DptuiApp):
     """Steers a ScriptRun: space pauses at the next DataParallel forward, 1-9/d move it, q stops it."""
+
+    BINDINGS = [
+        *DptuiApp.BINDINGS,
+        Binding("i", "next_instance", "Instance", tooltip="Panels follow the script's next DataParallel"),
+    ]
 
     def __init__(self, run: ScriptRun, **kwargs) -> None:
         super().__init__(lambda: run, **kwargs)
         self.run_ = run
         self.title = f"dptui run {run.target.label}"
+        self.status = ScriptStatusBar(run.target.label, id="status")
 
     def _start_run(self) -> None:
         self.session = Session(ScriptRunView(self.run_.target.label, self._clock))
@@ -92,7 +126,7 @@ class ScriptApp(DptuiApp):
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action == "restart":
             return False  # a script cannot be run again from fresh weights
-        if action in ("scale_batch", "ask_batch"):
+        if action in ("scale_batch", "ask_batch", "next_instance"):
             return super().check_action("help", parameters)  # shown, to say who owns the batch
         return super().check_action(action, parameters)
 
@@ -104,6 +138,14 @@ class ScriptApp(DptuiApp):
 
     def action_restart(self) -> None:
         self._say("A script cannot be restarted from dptui.")
+
+    def action_next_instance(self) -> None:
+        try:
+            name = self.run_.show_next_instance()
+        except ValueError as refusal:
+            self._say(str(refusal))
+            return
+        self.notify(f"The panels follow {name} from its next step.")
 
 
 def run_script_app(run: ScriptRun) -> int:

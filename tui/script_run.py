@@ -83,7 +83,7 @@ class ScriptRun(Publisher):
         self._shown: str | None = None  # the DataParallel whose steps the panels show
         self._devices: tuple[str, ...] = ()
         self._seen: dict[str, tuple[str, ...]] = {}
-        self._threads: dict[str, int] = {}
+        self._threads: dict[str, dict[str, int]] = {}  # per instance: device -> native thread id
         self._steps = self._samples = self._coalesced = 0
         self.exit_code: int | None = None
 
@@ -142,6 +142,16 @@ class ScriptRun(Publisher):
     def resume(self) -> None:
         self._send({"op": "resume"})
 
+    def show_next_instance(self) -> str:
+        """Let the panels follow the next DataParallel the script built, from its next step."""
+        seen = list(self._seen)
+        if len(seen) < 2:
+            raise ValueError("The script has built one DataParallel so far: nothing to switch to.")
+        following = seen[(seen.index(self._shown) + 1) % len(seen)] if self._shown in seen else seen[0]
+        self._shown = following
+        self._config = None  # its first step starts the panels afresh (a new RunStarted)
+        return following
+
     def set_batch_size(self, n: int) -> None:
         raise ValueError(BATCH_OWNED)
 
@@ -196,7 +206,7 @@ class ScriptRun(Publisher):
         from dpengine.telemetry import TelemetryPoller, open_telemetry
 
         try:
-            source = open_telemetry(self._available, lambda: dict(self._threads), pid=pid)
+            source = open_telemetry(self._available, lambda: self._threads.get(self._shown, {}), pid=pid)
         except Exception:  # noqa: BLE001 - no telemetry is no reason to stop the script
             return None
         return TelemetryPoller(source, lambda s: self._publish(TelemetrySampled(s)), self._telemetry_interval).start()
@@ -226,8 +236,8 @@ class ScriptRun(Publisher):
                 self._shown = instance
             if instance == self._shown:
                 self._on_step(body)
-        elif kind == "threads" and instance == self._shown:
-            self._threads = {str(k): int(v) for k, v in body["threads"].items()}
+        elif kind == "threads":
+            self._threads[instance] = {str(k): int(v) for k, v in body["threads"].items()}
         elif kind == "state":
             self._publish(StateChanged(body["state"], body.get("detail", "")))
         elif kind == "config" and instance == self._shown:
@@ -253,7 +263,7 @@ class ScriptRun(Publisher):
             available = self._devices  # the script chose its own device_ids, of another kind
         available += tuple(d for d in self._devices if d not in available)
         return RunConfig(
-            workload=f"{self.target.label} · {self._shown}", backend="dptui run",
+            workload=self._shown or "", backend="dptui run",
             devices=self._devices, available_devices=available, batch_size=batch_size,
             epochs=None, lr=math.nan, seed=None, samples=0,
             device_names=tuple("virtual" if d.startswith("cpu:") else "" for d in available),
