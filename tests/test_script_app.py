@@ -51,10 +51,6 @@ def active_chunks(app: ScriptApp) -> list[int | None]:
     return [p.view.chunk for p in app.query(DevicePanel) if p.view and p.view.active]
 
 
-def notices(app: ScriptApp) -> list[str]:
-    return [n.message for n in app._notifications]
-
-
 def gone(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
@@ -82,7 +78,8 @@ async def test_run_mode_shows_replicas_and_output_and_steers_the_script():
         await until(lambda: active_chunks(app) == [4, 4, 4], what="cpu:2 joining from the next forward")
 
         await press(app, "plus")
-        await until(lambda: BATCH_OWNED in notices(app), what="the batch size refusal")
+        await until(lambda: BATCH_OWNED in status(app), what="the batch size refusal in the status bar")
+        await until(lambda: all(p.view.sample for p in app.query(DevicePanel)), what="telemetry on every panel")
 
         await press(app, "q")
         await until(lambda: not app.is_running, what="the app to exit")

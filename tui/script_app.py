@@ -86,9 +86,22 @@ class ScriptRunView(RunView):
 class ScriptStatusBar(StatusBar):
     """A script has no epochs or loss that dptui knows of: its program, DataParallel, steps, state."""
 
+    NOTE_S = 6.0
+
     def __init__(self, label: str, **kwargs) -> None:
         super().__init__(**kwargs)
         self._label = label
+        self._note = ""
+
+    def say(self, note: str) -> None:
+        """A sentence at the end of the bar for a few seconds, e.g. why a key does nothing here."""
+        self._show_note(note)
+        self.set_timer(self.NOTE_S, lambda: self._show_note("") if self._note == note else None)
+
+    def _show_note(self, note: str) -> None:
+        self._note = note
+        if self._snap is not None:
+            self._draw()
 
     def _draw(self) -> None:
         snap = self._snap
@@ -100,6 +113,8 @@ class ScriptStatusBar(StatusBar):
         state = Text(f"● {snap.state}", style=STATE_STYLES.get(snap.state, "bold"))
         if snap.pending:
             state.append(f": {snap.pending}", style="magenta")
+        if self._note:
+            state.append(f"  {self._note}", style="yellow")
         text = sep.join([*parts, state])
         self.update(text, layout=False)
 
@@ -131,10 +146,10 @@ class ScriptApp(DptuiApp):
         return super().check_action(action, parameters)
 
     def action_scale_batch(self, factor: float) -> None:
-        self._say(BATCH_OWNED)
+        self.status.say(BATCH_OWNED)
 
     def action_ask_batch(self) -> None:
-        self._say(BATCH_OWNED)
+        self.status.say(BATCH_OWNED)
 
     def action_restart(self) -> None:
         self._say("A script cannot be restarted from dptui.")
