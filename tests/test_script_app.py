@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import pty
+import signal
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import psutil
+import pytest
 from textual import events
 
 from tui.script_app import ScriptApp
@@ -127,3 +134,42 @@ async def test_i_switches_the_panels_between_the_scripts_dataparallel_objects():
         await press(app, "q")
         await until(lambda: not app.is_running, what="the app to exit")
     assert app.run_.wait(30)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_the_ui_in_a_real_terminal_takes_the_script_along_when_dptui_is_signalled(signum):
+    master, slave = pty.openpty()
+    env = dict(os.environ, TERM="xterm-256color")
+    proc = subprocess.Popen([sys.executable, "-m", "tui.cli", "run", str(SCRIPTS / "endless.py")],
+                            stdin=slave, stdout=slave, stderr=slave, env=env, start_new_session=True)
+    os.close(slave)
+    screen = bytearray()
+
+    def drain() -> None:  # a terminal that is not read would block the UI
+        while chunk := _read(master):
+            screen.extend(chunk)
+
+    threading.Thread(target=drain, daemon=True).start()
+    try:
+        deadline = time.monotonic() + 30
+        while len(psutil.Process(proc.pid).children(recursive=True)) < 2 or b"step" not in screen:
+            assert time.monotonic() < deadline, "the script never got going"
+            time.sleep(0.05)
+        family = psutil.Process(proc.pid).children(recursive=True)  # the script and its grandchild
+        proc.send_signal(signum)
+        assert proc.wait(30) == 130  # SIGINT to the script: its KeyboardInterrupt
+        deadline = time.monotonic() + 20
+        while not all(gone(p.pid) for p in family):
+            assert time.monotonic() < deadline, "a process was left behind"
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(master)
+
+
+def _read(fd: int) -> bytes:
+    try:
+        return os.read(fd, 1 << 16)
+    except OSError:  # the terminal's other side closed
+        return b""

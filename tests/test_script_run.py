@@ -142,7 +142,8 @@ def test_a_subclass_that_overrides_scatter_is_called():
         (["run", "-m", "no_such_module_here"], "dptui run: error: no module named 'no_such_module_here'"),
         (["run", "--json", "x.py"], "dptui run: error: --json needs --headless"),
         (["run"], "dptui run: error: name a script or -m MODULE to run"),
-        (["run", "--devices", "cpu:0,cpu:0", "x.py"], "dptui run: error: no such script: x.py"),
+        (["run", "--devices", "cpu:0,cpu:0", script("exits_3.py")], "dptui run: error: --devices: device 'cpu:0'"),
+        (["run", "--grace", "soon", script("exits_3.py")], "dptui run: error: argument --grace: --grace must be a number"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2_before_anything_starts(capsys, argv, message):

@@ -145,6 +145,14 @@ class ScriptApp(DptuiApp):
             return super().check_action("help", parameters)  # shown, to say who owns the batch
         return super().check_action(action, parameters)
 
+    def action_pause(self) -> None:
+        try:
+            super().action_pause()
+        except ValueError as refusal:  # the script ended as the key was pressed
+            self._say(str(refusal))
+
+    action_resume = action_pause
+
     def action_scale_batch(self, factor: float) -> None:
         self.status.say(BATCH_OWNED)
 
