@@ -13,10 +13,12 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 from tui.cli import main
 
 SCRIPTS = Path(__file__).parent / "fixtures" / "scripts"
+EXAMPLE = Path(__file__).parent.parent / "examples" / "train_script.py"
 DPTUI = [sys.executable, "-m", "tui.cli", "run"]
 
 
@@ -125,6 +127,20 @@ def test_spawned_dataloader_workers_find_the_script_as_main():
     assert (done.returncode, done.stdout) == (0, "spawned workers fine\n"), done.stderr
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_gpus_the_example_script_is_recorded_per_gpu():
+    done = dptui("--headless", "--json", "--telemetry-interval", "0.2", str(EXAMPLE), "--epochs", "1")
+    assert done.returncode == 0, done.stderr
+    events = json_events(done.stdout)
+    gpus = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    steps = of_type(events, "step")
+    assert steps and [r["device"] for r in steps[0]["replicas"]] == gpus
+    assert all(r["peak_memory_bytes"] for r in steps[-1]["replicas"])
+    samples = [s for e in of_type(events, "telemetry") for s in e["samples"]]
+    assert {s["device"] for s in samples} == set(gpus) and all(s["name"] != "virtual" for s in samples)
+
+
 @pytest.mark.xfail(strict=True, reason="needs engine's overridable scatter")
 def test_a_subclass_that_overrides_scatter_is_called():
     done = dptui("--headless", "--no-telemetry", script("scatter_override.py"))
@@ -143,7 +159,7 @@ def test_a_subclass_that_overrides_scatter_is_called():
         (["run", "--json", "x.py"], "dptui run: error: --json needs --headless"),
         (["run"], "dptui run: error: name a script or -m MODULE to run"),
         (["run", "--devices", "cpu:0,cpu:0", script("exits_3.py")], "dptui run: error: --devices: device 'cpu:0'"),
-        (["run", "--grace", "soon", script("exits_3.py")], "dptui run: error: argument --grace: --grace must be a number"),
+        (["run", "--grace", "soon", script("exits_3.py")], "dptui run: error: argument --grace: --grace must be a number, not 'soon' (see dptui run --help)"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2_before_anything_starts(capsys, argv, message):

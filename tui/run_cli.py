@@ -11,14 +11,39 @@ import importlib.util
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from .cli import EXIT_USAGE, UsageError, _Parser, _parse_devices, _positive_float
+from typing import NoReturn
+
 from .script_run import GRACE_S, ScriptRun, ScriptTarget
+
+EXIT_USAGE = 2
 
 USAGE = "dptui run [OPTIONS] (SCRIPT.py | -m MODULE) [ARGS...]"
 _TAKES_VALUE = {"--devices", "--log", "--telemetry-interval", "--grace"}
+
+
+class UsageError(Exception):
+    """One line saying what is wrong and what would be right."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see dptui run --help)")
+
+
+def _seconds(name: str, minimum: float) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number, not {text!r}") from None
+        if not value >= minimum:
+            raise argparse.ArgumentTypeError(f"{name} must be at least {minimum:g}, not {text}")
+        return value
+
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,10 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --headless: JSON Lines events on stdout, the script's output as "
                         '{"type": "output", ...} events')
     parser.add_argument("--log", metavar="FILE", help="write the run's events as JSON Lines to FILE")
-    parser.add_argument("--telemetry-interval", type=_positive_float("telemetry interval", 0.199),
+    parser.add_argument("--telemetry-interval", type=_seconds("telemetry interval", 0.2),
                         default=1.0, metavar="S", help="seconds between device samples, >= 0.2 (default 1)")
     parser.add_argument("--no-telemetry", action="store_true", help="do not poll device telemetry")
-    parser.add_argument("--grace", type=_positive_float("--grace"), default=GRACE_S, metavar="S",
+    parser.add_argument("--grace", type=_seconds("--grace", 0.0), default=GRACE_S, metavar="S",
                         help=f"seconds after SIGINT, then after SIGTERM, before stopping harder (default {GRACE_S:g})")
     return parser
 
@@ -90,16 +115,32 @@ def _check_module(name: str) -> None:
         raise UsageError(f"no module named {name!r}")
 
 
+def parse_devices(spec: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """--devices: the devices and those a user could switch to, as names."""
+    from dpengine.devices import auto_devices, available_devices, device_name, resolve_devices
+
+    if spec.strip() == "auto":
+        devices = auto_devices()
+    else:
+        entries = [part.strip() for part in spec.split(",")]
+        if any(not part for part in entries):
+            raise UsageError(f"--devices {spec!r}: empty entry; expected e.g. cpu:0,cpu:1 or 0,1 or auto")
+        try:
+            devices = resolve_devices(entries)
+        except ValueError as error:
+            raise UsageError(f"--devices: {error}") from None
+    names = tuple(device_name(d) for d in devices)
+    return names, tuple(device_name(d) for d in available_devices(devices))
+
+
 def main(argv: Sequence[str]) -> int:
     try:
         args, target = parse(argv)
-        devices, _note = _parse_devices(args.devices)
+        devices, available = parse_devices(args.devices)
     except UsageError as error:
         print(f"dptui run: error: {error}", file=sys.stderr)
         return EXIT_USAGE
-    from dpengine.devices import available_devices, device_name, resolve_devices
 
-    available = tuple(device_name(d) for d in available_devices(resolve_devices(list(devices))))
     run = ScriptRun(
         target, devices, available, capture_output=not args.headless or args.json,
         telemetry_interval=None if args.no_telemetry else args.telemetry_interval, grace_s=args.grace,

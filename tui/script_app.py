@@ -37,10 +37,11 @@ class ScriptRunView(RunView):
         if isinstance(event, (RunFinished, RunFailed)):
             return  # ScriptExited says it, in the script's terms
         if isinstance(event, RunStarted):  # the first step of the DataParallel the panels follow
-            super().feed(event)
             with self._lock:
+                self._version += 1
+                self._on_started(event)
                 self._throughput, self._throughput_history = None, deque(maxlen=HISTORY_POINTS)
-                config = event.config
+                config = event.config  # in the script's terms: it has no lr, seed or epochs we know
                 self._log[-1] = LogLine(f"panels follow {config.workload} on {', '.join(config.devices)}", "event")
             return
         handler = {ScriptOutput: self._on_output, DataParallelSeen: self._on_seen,
