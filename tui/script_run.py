@@ -75,6 +75,7 @@ class ScriptRun(Publisher):
         self._grace_s = grace_s
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
+        self._events_r = -1
         self._control_w: int | None = None
         self._stopping = False
         self._done = threading.Event()
@@ -113,6 +114,7 @@ class ScriptRun(Publisher):
                 reader.join(timeout=5)
             if poller is not None:
                 poller.stop()
+                poller.source.close()
             return self._finish(code)
         finally:
             self._close_control()
@@ -182,8 +184,12 @@ class ScriptRun(Publisher):
                 stdin=subprocess.DEVNULL if self._capture else None, stdout=pipe, stderr=pipe,
                 start_new_session=True,
             )
+        except BaseException:
+            os.close(events_r)
+            os.close(control_w)
+            raise
         finally:
-            os.close(events_w)
+            os.close(events_w)  # the child's ends: ours would keep the pipes open after it exits
             os.close(control_r)
         self._events_r = events_r
         self._control_w = control_w

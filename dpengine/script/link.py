@@ -44,7 +44,8 @@ class ParentLink:
         self._writing = False  # taken from the queues, not yet in the pipe
         self._broken = False
         self._started = time.monotonic()
-        self._last_forward: dict[str, float] = {}
+        self._last_finished: dict[str, float] = {}
+        self._announced: set[str] = set()
         self._threads_sent: dict[str, dict[str, int]] = {}
         self._thread_sources: dict[str, weakref.WeakMethod] = {}
         # Control state, read by every DataParallel forward without a lock (plain attribute reads).
@@ -61,6 +62,12 @@ class ParentLink:
         with self._cond:
             self._messages.append(message)
             self._cond.notify()
+
+    def announce(self, instance: str, devices: list[str]) -> None:
+        """A DataParallel was built; said once per instance key (one rebuilt every step is not news)."""
+        if instance not in self._announced:
+            self._announced.add(instance)
+            self.post({"type": "dp_created", "instance": instance, "name": instance, "devices": devices})
 
     def post_step(self, instance: str, record: StepRecord) -> None:
         item = (instance, record, time.monotonic())
@@ -128,8 +135,8 @@ class ParentLink:
                 self._cond.notify_all()  # flush() waits for all of it to be written
 
     def _step_line(self, instance: str, record: StepRecord, at: float) -> str:
-        previous = self._last_forward.get(instance)
-        self._last_forward[instance] = at
+        previous = self._last_finished.get(instance)
+        self._last_finished[instance] = at
         if previous is not None and at > previous:
             rate = record.batch_size / (at - previous)  # the script's whole step, data loading included
         else:  # the first step: what the engine itself took

@@ -39,8 +39,7 @@ class DataParallel(EngineDataParallel):
         site = _creation_site(self)
         key = f"{type(self).__qualname__}({type(module).__qualname__})@{site}"
         object.__setattr__(self, "_dptui_key", key)
-        link.post({"type": "dp_created", "instance": key, "name": key,
-                   "devices": [device_name(d) for d in self.devices]})
+        link.announce(key, [device_name(d) for d in self.devices])
         self.subscribe(lambda record, key=key: link.post_step(key, record))
         link.watch_threads(key, self.worker_thread_ids)
 

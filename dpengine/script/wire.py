@@ -1,7 +1,7 @@
 """What crosses the private pipes between a script run by `dptui run` and dptui.
 
 Child -> dptui, one JSON object per line (steps use the `step` form of dpengine.events):
-  {"type": "dp_created", "instance": KEY, "name": TEXT, "devices": [...]}
+  {"type": "dp_created", "instance": KEY, "name": TEXT, "devices": [...]}   (once per KEY)
   {"type": "step", "instance": KEY, ...to_json_dict(StepFinished)}
   {"type": "threads", "instance": KEY, "threads": {device: native thread id}}
   {"type": "state", "state": "paused" | "running", "detail": ""}
