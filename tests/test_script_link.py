@@ -119,3 +119,4 @@ def test_the_control_pipes_eof_is_the_lifeline():
     ParentLink(events_w, control_r, ("cpu:0",), on_parent_gone=gone.set)
     os.close(control_w)  # dptui died
     assert gone.wait(10)
+

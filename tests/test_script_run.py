@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tui.cli import main
+from tui.script_run import BATCH_OWNED, ScriptRun, ScriptTarget
 
 SCRIPTS = Path(__file__).parent / "fixtures" / "scripts"
 EXAMPLE = Path(__file__).parent.parent / "examples" / "train_script.py"
@@ -146,6 +147,22 @@ def test_a_subclass_that_overrides_scatter_is_called():
     done = dptui("--headless", "--no-telemetry", script("scatter_override.py"))
     assert done.returncode == 0, done.stderr
     assert done.stdout == "scatter calls: [2]\n"
+
+
+# -- the run contract the UI drives ---------------------------------------------------
+
+
+def test_a_script_run_refuses_what_a_script_does_not_allow_in_a_sentence():
+    run = ScriptRun(ScriptTarget("train.py"), ("cpu:0", "cpu:1"))
+    with pytest.raises(ValueError, match=f"^{BATCH_OWNED}$"):
+        run.set_batch_size(64)
+    with pytest.raises(ValueError, match="^The script is not running.$"):
+        run.pause()
+    with pytest.raises(ValueError, match="^Choose at least one device.$"):
+        run.set_devices([])
+    assert (run.config(), run.devices) == (None, ())
+    run.stop()
+    assert run.run() is None  # stopped before it began: nothing was started
 
 
 # -- bad input -------------------------------------------------------------------------

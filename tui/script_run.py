@@ -90,8 +90,8 @@ class ScriptRun(Publisher):
 
     # -- what the UI drives -----------------------------------------------------------
 
-    @property
     def config(self) -> RunConfig | None:
+        """As Trainer.config(); None until the first DataParallel step (a script's config is what it does)."""
         return self._config
 
     @property
