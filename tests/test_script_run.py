@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,7 +16,9 @@ import psutil
 import pytest
 import torch
 
+from dpengine.events import StateChanged, StepFinished
 from tui.cli import main
+from tui.script_events import ScriptOutput
 from tui.script_run import BATCH_OWNED, ScriptRun, ScriptTarget
 
 SCRIPTS = Path(__file__).parent / "fixtures" / "scripts"
@@ -163,6 +166,26 @@ def test_a_script_run_refuses_what_a_script_does_not_allow_in_a_sentence():
     assert (run.config(), run.devices) == (None, ())
     run.stop()
     assert run.run() is None  # stopped before it began: nothing was started
+
+
+def test_a_paused_script_stops_at_the_first_signal():
+    run = ScriptRun(ScriptTarget(script("endless.py")), ("cpu:0", "cpu:1"), telemetry_interval=None, grace_s=30)
+    seen: list = []
+    run.subscribe(seen.append)
+    thread = threading.Thread(target=run.run)
+    thread.start()
+    try:
+        wait_until(lambda: any(isinstance(e, StepFinished) for e in seen), what="a step")
+        run.pause()
+        wait_until(lambda: any(isinstance(e, StateChanged) and e.state == "paused" for e in seen), what="paused")
+        started = time.monotonic()
+        run.stop()
+        assert run.wait(20)
+        assert run.exit_code == 130 and time.monotonic() - started < 20  # SIGINT did it, not the grace
+        assert ScriptOutput("stdout", "interrupted: cleaning up") in seen
+    finally:
+        run.kill()
+        thread.join(30)
 
 
 # -- bad input -------------------------------------------------------------------------
