@@ -188,6 +188,15 @@ def test_a_paused_script_stops_at_the_first_signal():
         thread.join(30)
 
 
+def test_json_piped_into_head_stops_the_script_quietly():
+    proc = subprocess.Popen([*DPTUI, "--headless", "--json", "--no-telemetry", script("endless.py")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert json.loads(proc.stdout.readline())["type"] == "script_started"
+    proc.stdout.close()  # as `| head -1` does once it has its line
+    assert proc.wait(60) == 0
+    assert proc.stderr.read() == ""
+
+
 # -- bad input -------------------------------------------------------------------------
 
 

@@ -165,8 +165,9 @@ def main(argv: Sequence[str]) -> int:
 def _run_headless(run: ScriptRun, json_out: bool) -> int:
     from .script_events import JsonLines
 
+    guard = _StopOnBrokenPipe(JsonLines(sys.stdout), run)
     if json_out:
-        run.subscribe(_StopOnBrokenPipe(JsonLines(sys.stdout), run))
+        run.subscribe(guard)
     signals = 0
 
     def on_signal(signum, frame) -> None:
@@ -183,6 +184,12 @@ def _run_headless(run: ScriptRun, json_out: bool) -> int:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+    if guard.broken:
+        # Piped into e.g. `head`, which has read enough: not the script's failure, nor ours.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's last flush does not fail
+        os.close(devnull)
+        return 0
     return run.exit_code if run.exit_code is not None else EXIT_USAGE
 
 
