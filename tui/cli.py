@@ -24,8 +24,10 @@ RunFactory = Callable[[], "Run"]
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 # `dptui NAME ...`: each subcommand parses its own arguments in its module's main(argv).
-SUBCOMMANDS = {"view": "tui.view_cli"}
+SUBCOMMANDS = {"run": "tui.run_cli", "view": "tui.view_cli"}
 SUBCOMMAND_HELP = """subcommands:
+  dptui run [OPTIONS] (SCRIPT.py | -m MODULE) [ARGS...]
+                        watch your own, unchanged training script (dptui run --help)
   dptui view LOG.jsonl  open a recorded run (--log FILE, or --headless --json output);
                         --follow keeps reading it, --headless prints a per-device summary
 """

@@ -22,9 +22,13 @@ __all__ = [
 
 
 def open_telemetry(
-    devices: Sequence[str], thread_ids: Callable[[], Mapping[str, int]] | None = None
+    devices: Sequence[str], thread_ids: Callable[[], Mapping[str, int]] | None = None,
+    pid: int | None = None,
 ) -> TelemetrySource:
-    """One source for a mix of "cuda:N" and "cpu:N" devices, sampled in the given order."""
+    """One source for a mix of "cuda:N" and "cpu:N" devices, sampled in the given order.
+
+    `pid`: the process whose replica threads run the virtual CPU devices (default: this one).
+    """
     cuda = [d for d in devices if d.startswith("cuda:")]
     cpu = [d for d in devices if d.startswith("cpu:")]
     other = [d for d in devices if d not in cuda and d not in cpu]
@@ -34,5 +38,5 @@ def open_telemetry(
     if cuda:
         sources.append(NvmlSource(cuda))
     if cpu:
-        sources.append(CpuSource(cpu, thread_ids))
+        sources.append(CpuSource(cpu, thread_ids, pid))
     return CombinedSource(sources, devices)

@@ -18,17 +18,19 @@ class CpuSource:
     """Process-wide CPU and memory figures, or per-device CPU from each replica's worker thread.
 
     `thread_ids` returns {device: native thread id} of the engine threads running the replicas;
-    a device without a (known) thread gets the whole process's figure.
+    a device without a (known) thread gets the whole process's figure. `pid`: another process
+    to watch (`dptui run` watches the script's), this one by default.
     """
 
     def __init__(
-        self, devices: Sequence[str], thread_ids: Callable[[], Mapping[str, int]] | None = None
+        self, devices: Sequence[str], thread_ids: Callable[[], Mapping[str, int]] | None = None,
+        pid: int | None = None,
     ) -> None:
         self.devices = tuple(devices)
         for device in self.devices:
             device_index(device, "cpu")
         self._thread_ids = thread_ids
-        self._process = psutil.Process()
+        self._process = psutil.Process(pid)
         self._cores = psutil.cpu_count() or 1
         self._memory_total = psutil.virtual_memory().total
         # psutil's first cpu_percent() is always 0.0: spend it here, not on the first sample.

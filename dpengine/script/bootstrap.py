@@ -1,0 +1,85 @@
+"""`python -m dpengine.script.bootstrap (PATH | -m MODULE) [ARGS...]`: what `dptui run` starts.
+
+Makes the child look like `python PATH ARGS` / `python -m MODULE ARGS` (sys.argv, sys.path[0],
+__main__ and __spec__, so spawn-started DataLoader workers re-import it), with torch's
+DataParallel swapped for the recording one before the program's first line.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import runpy
+import signal
+import sys
+import traceback
+
+
+def _take_env(name: str) -> str:
+    value = os.environ.pop(name, None)  # the script's own children must not see our pipes
+    if value is None:
+        sys.exit(f"dptui bootstrap: {name} is not set; run scripts with `dptui run`")
+    return value
+
+
+def _connect() -> None:
+    from . import wire
+    from .link import ParentLink
+    from .swap import install
+
+    events_fd = int(_take_env(wire.EVENTS_FD))
+    control_fd = int(_take_env(wire.CONTROL_FD))
+    devices = tuple(d for d in _take_env(wire.DEVICES).split(",") if d)
+    for fd in (events_fd, control_fd):
+        os.set_inheritable(fd, False)
+    link = ParentLink(events_fd, control_fd, devices)
+    install(link)
+    atexit.register(link.flush)
+
+
+def _run(argv: list[str]) -> None:
+    if argv[0] == "-m":
+        module, args = argv[1], argv[2:]
+        sys.argv = [module, *args]  # runpy puts the module's file in argv[0]
+        sys.path[0] = os.getcwd()  # as `python -m` does
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    else:
+        path, args = argv[0], argv[1:]
+        sys.argv = [path, *args]
+        sys.path[0] = os.path.dirname(os.path.abspath(path))  # as `python PATH` does, not ours
+        runpy.run_path(path, run_name="__main__")
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    if not argv or argv == ["-m"]:
+        sys.exit("usage: python -m dpengine.script.bootstrap (PATH | -m MODULE) [ARGS...]")
+    _connect()
+    try:
+        _run(argv)
+    except SystemExit:
+        raise  # the interpreter turns it into the status
+    except BaseException as error:  # noqa: BLE001 - shown as Python would, minus our frames
+        traceback.print_exception(type(error), error, _user_frames(error.__traceback__))
+        sys.stderr.flush()
+        if isinstance(error, KeyboardInterrupt):
+            # As Python does: exit handlers, then die of SIGINT so the status says so (130).
+            atexit._run_exitfuncs()
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+        sys.exit(1)
+
+
+def _user_frames(tb):
+    """Drop the bootstrap's and runpy's frames from the top, as `python script.py` shows none.
+
+    Ours are absolute paths (`python -m` imports by absolute path); runpy's is frozen or its file.
+    """
+    ours = (os.path.abspath(__file__), os.path.abspath(runpy.__file__), "<frozen runpy>")
+    while tb is not None and tb.tb_frame.f_code.co_filename in ours:
+        tb = tb.tb_next
+    return tb
+
+
+if __name__ == "__main__":
+    main()

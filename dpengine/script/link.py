@@ -1,0 +1,203 @@
+"""The child's end of the private pipes: a sender that never stalls the script, and a control thread.
+
+Training threads only append to bounded queues under a lock; a daemon thread turns records
+into JSON and writes them. When dptui falls behind, steps beyond the queue are coalesced to
+the newest per DataParallel. The control pipe is also the lifeline: its EOF means dptui died,
+and the script's whole process group is ended.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from ..events import StepFinished, to_json_dict
+from ..records import StepRecord
+
+MAX_QUEUED_STEPS = 256
+FLUSH_AT_EXIT_S = 2.0
+LIFELINE_GRACE_S = 3.0
+
+
+class ParentLink:
+    def __init__(
+        self, events_fd: int, control_fd: int, devices: tuple[str, ...],
+        on_parent_gone: Callable[[], None] | None = None,
+    ) -> None:
+        self.devices = devices  # what device_ids=None means in this run
+        self._on_parent_gone = on_parent_gone or _end_process_group
+        self._events_fd = events_fd
+        self._control_fd = control_fd
+        self._cond = threading.Condition()
+        self._messages: deque[dict[str, Any]] = deque()  # rare ones: never dropped
+        self._steps: deque[tuple[str, StepRecord, float]] = deque()
+        self._coalesced: dict[str, tuple[str, StepRecord, float]] = {}
+        self._dropped = 0
+        self._writing = False  # taken from the queues, not yet in the pipe
+        self._broken = False
+        self._started = time.monotonic()
+        self._last_finished: dict[str, float] = {}
+        self._announced: set[str] = set()
+        self._threads_sent: dict[str, dict[str, int]] = {}
+        self._thread_sources: dict[str, weakref.WeakMethod] = {}
+        # Control state, read by every DataParallel forward without a lock (plain attribute reads).
+        self.control_version = 0
+        self.target_devices: tuple[str, ...] | None = None
+        self._running = threading.Event()
+        self._running.set()
+        threading.Thread(target=self._send_loop, name="dptui-run-sender", daemon=True).start()
+        threading.Thread(target=self._control_loop, name="dptui-run-control", daemon=True).start()
+
+    # -- called by the script's DataParallel objects ---------------------------------
+
+    def post(self, message: dict[str, Any]) -> None:
+        with self._cond:
+            self._messages.append(message)
+            self._cond.notify()
+
+    def announce(self, instance: str, devices: list[str]) -> None:
+        """A DataParallel was built; said once per instance key (one rebuilt every step is not news)."""
+        if instance not in self._announced:
+            self._announced.add(instance)
+            self.post({"type": "dp_created", "instance": instance, "name": instance, "devices": devices})
+
+    def post_step(self, instance: str, record: StepRecord) -> None:
+        item = (instance, record, time.monotonic())
+        with self._cond:
+            if len(self._steps) < MAX_QUEUED_STEPS:
+                self._steps.append(item)
+            else:
+                self._coalesced[instance] = item
+                self._dropped += 1
+            self._cond.notify()
+
+    def watch_threads(self, instance: str, thread_ids: Callable[[], dict[str, int]]) -> None:
+        """Where the instance's replica threads are, read by the sender (dptui polls their CPU use).
+
+        Held weakly: a DataParallel rebuilt every epoch must not be kept alive by us.
+        """
+        self._thread_sources[instance] = weakref.WeakMethod(thread_ids)
+
+    def wait_if_paused(self) -> None:
+        if self._running.is_set():
+            return
+        self.post({"type": "state", "state": "paused", "detail": "at a DataParallel forward"})
+        self._running.wait()
+        self.post({"type": "state", "state": "running", "detail": ""})
+
+    def flush(self, timeout: float = FLUSH_AT_EXIT_S) -> None:
+        """Wait (bounded) until everything queued is written: the last steps of a script that ends."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while (self._writing or self._messages or self._steps or self._coalesced) and not self._broken:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._cond.wait(left)
+
+    # -- the sender ------------------------------------------------------------------
+
+    def _send_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._messages or self._steps or self._coalesced):
+                    self._cond.wait()
+                messages = list(self._messages)
+                steps = list(self._steps) + list(self._coalesced.values())
+                dropped = self._dropped
+                self._messages.clear()
+                self._steps.clear()
+                self._coalesced.clear()
+                self._dropped = 0
+                self._writing = True
+            lines = [json.dumps(m, separators=(",", ":")) for m in messages]
+            lines += [self._step_line(*item) for item in steps]
+            lines += self._thread_lines()
+            if dropped:
+                lines.append(json.dumps({"type": "coalesced", "steps": dropped}))
+            try:
+                _write_all(self._events_fd, ("\n".join(lines) + "\n").encode())
+            except OSError:  # dptui is gone: the lifeline ends us; stop trying meanwhile
+                with self._cond:
+                    self._broken = True
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self._writing = False
+                self._cond.notify_all()  # flush() waits for all of it to be written
+
+    def _step_line(self, instance: str, record: StepRecord, at: float) -> str:
+        previous = self._last_finished.get(instance)
+        self._last_finished[instance] = at
+        if previous is not None and at > previous:
+            rate = record.batch_size / (at - previous)  # the script's whole step, data loading included
+        else:  # the first step: what the engine itself took
+            spent_ms = record.total_ms + (record.backward_ms or 0.0)
+            rate = record.batch_size / (spent_ms / 1000.0) if spent_ms > 0 else 0.0
+        event = StepFinished(
+            epoch=0, step=record.step, step_in_epoch=record.step, steps_in_epoch=0,
+            batch_size=record.batch_size,
+            input_shape=record.input_shapes[0] if record.input_shapes else (),
+            output_shape=record.output_shapes[0] if record.output_shapes else (),
+            loss=math.nan,  # the script's loss is its own business
+            samples_per_s=rate, record=record, seconds=at - self._started,
+        )
+        return json.dumps({**to_json_dict(event), "instance": instance}, separators=(",", ":"))
+
+    def _thread_lines(self) -> list[str]:
+        lines = []
+        for instance, ref in list(self._thread_sources.items()):
+            source = ref()
+            threads = source() if source is not None else None
+            if threads and threads != self._threads_sent.get(instance):
+                self._threads_sent[instance] = threads
+                lines.append(json.dumps({"type": "threads", "instance": instance, "threads": threads}))
+        return lines
+
+    # -- control and lifeline --------------------------------------------------------
+
+    def _control_loop(self) -> None:
+        with os.fdopen(self._control_fd, "rb", buffering=0) as pipe:
+            buffer = b""
+            while chunk := pipe.read(4096):
+                buffer += chunk
+                *lines, buffer = buffer.split(b"\n")
+                for line in lines:
+                    self._apply(json.loads(line))
+        self._on_parent_gone()
+
+    def _apply(self, message: dict[str, Any]) -> None:
+        op = message.get("op")
+        if op == "pause":
+            self._running.clear()
+        elif op == "resume":
+            self._running.set()
+        elif op == "devices":
+            self.target_devices = tuple(message["devices"])
+            self.control_version += 1
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _end_process_group() -> None:
+    """dptui died (even by SIGKILL): take the script and everything it started down with it."""
+    if os.getpgrp() != os.getpid():
+        os._exit(137)  # not a group leader: never signal a group that is not ours
+    for signum in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(os.getpid(), signum)
+        except ProcessLookupError:
+            return
+        time.sleep(LIFELINE_GRACE_S)

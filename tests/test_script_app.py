@@ -1,0 +1,175 @@
+"""The UI in `dptui run` mode, driven by Pilot over real child processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pty
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+import pytest
+from textual import events
+
+from tui.script_app import ScriptApp
+from tui.script_run import BATCH_OWNED, ScriptRun, ScriptTarget
+from tui.widgets.device_panel import DevicePanel
+
+SCRIPTS = Path(__file__).parent / "fixtures" / "scripts"
+AVAILABLE = ("cpu:0", "cpu:1", "cpu:2", "cpu:3")
+CHARS = {"plus": "+", "space": " "}
+
+
+def make_app(name: str, *args: str) -> ScriptApp:
+    run = ScriptRun(ScriptTarget(str(SCRIPTS / name), args), ("cpu:0", "cpu:1"), AVAILABLE,
+                    telemetry_interval=0.2, grace_s=5.0)
+    return ScriptApp(run)
+
+
+async def until(condition: Callable[[], bool], timeout: float = 20.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what or condition}"
+        await asyncio.sleep(0.02)
+
+
+async def press(app: ScriptApp, *keys: str) -> None:
+    for key in keys:  # as the terminal sends them; pilot.press waits for an idle that never comes
+        app.post_message(events.Key(key, CHARS.get(key, key)))
+    await asyncio.sleep(0.01)
+
+
+def status(app: ScriptApp) -> str:
+    return str(app.status.content)
+
+
+def log_text(app: ScriptApp) -> str:
+    return "\n".join(strip.text for strip in app.log_view.lines)
+
+
+def active_chunks(app: ScriptApp) -> list[int | None]:
+    return [p.view.chunk for p in app.query(DevicePanel) if p.view and p.view.active]
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+async def test_run_mode_shows_replicas_and_output_and_steers_the_script():
+    app = make_app("endless.py")
+    async with app.run_test(size=(120, 40)):
+        await until(lambda: '{"child"' in log_text(app), what="the script's stdout in the log")
+        await until(lambda: active_chunks(app) == [6, 6], what="chunks 6/6")
+        assert status(app).startswith("endless.py │ DataParallel(Linear)@endless.py:21 │ batch 12 │ step ")
+        pids = json.loads(next(line for line in log_text(app).splitlines() if line.startswith('{"child"')))
+
+        await press(app, "space")
+        await until(lambda: "● paused" in status(app), what="paused at the next forward")
+        step = app.session.view.step
+        await asyncio.sleep(0.3)  # paused: a forward would show as a new step
+        assert app.session.view.step == step
+        await press(app, "space")
+        await until(lambda: app.session.view.step > step, what="steps again")
+
+        await press(app, "3")
+        await until(lambda: active_chunks(app) == [4, 4, 4], what="cpu:2 joining from the next forward")
+
+        await press(app, "plus")
+        await until(lambda: BATCH_OWNED in status(app), what="the batch size refusal in the status bar")
+        await until(lambda: all(p.view.sample for p in app.query(DevicePanel)), what="telemetry on every panel")
+
+        await press(app, "q")
+        await until(lambda: not app.is_running, what="the app to exit")
+    assert app.run_.wait(30)
+    assert app.run_.exit_code == 130  # q: SIGINT first, the script's KeyboardInterrupt ran
+    await until(lambda: gone(pids["child"]) and gone(pids["grandchild"]), what="no process left")
+
+
+async def test_a_script_without_dataparallel_says_so_and_its_exit_keeps_the_ui_open():
+    app = make_app("no_dataparallel.py", "1")
+    async with app.run_test(size=(120, 40)):
+        await until(lambda: "ready" in log_text(app), what="the script's output")
+        assert "no DataParallel seen yet" in status(app)
+        assert not list(app.query(DevicePanel))  # no empty panels
+        await until(lambda: "script exited 0 — q to quit" in status(app), what="the exit in the status bar")
+        assert app.is_running
+        await press(app, "q")
+        await until(lambda: not app.is_running, what="the app to exit")
+    assert app.run_.exit_code == 0
+
+
+async def test_stderr_is_marked_in_the_log_and_the_status_is_the_scripts():
+    app = make_app("raises.py")
+    async with app.run_test(size=(120, 40)):
+        await until(lambda: "script exited 1 — q to quit" in status(app), what="the exit")
+        await until(lambda: "RuntimeError: boom in the user's script" in log_text(app), what="the traceback")
+        line = next(s for s in app.log_view.lines if "RuntimeError" in s.text)
+        assert any(seg.style and seg.style.color and seg.style.color.name == "red" for seg in line)
+        await press(app, "q")
+        await until(lambda: not app.is_running, what="the app to exit")
+    assert app.run_.exit_code == 1
+
+
+async def test_i_switches_the_panels_between_the_scripts_dataparallel_objects():
+    app = make_app("two_models.py")
+    async with app.run_test(size=(120, 40)):
+        # The panels follow the first DataParallel whose step finished: the discriminator's
+        # backward ends its step, the generator's (no backward) ends at its next forward.
+        await until(lambda: active_chunks(app) == [3, 3], what="the discriminator's chunks")
+        assert "DataParallel(Sequential)@two_models.py:9" in status(app)
+        await until(lambda: "DataParallel #2" in log_text(app), what="the second DataParallel")
+        await press(app, "i")
+        await until(lambda: active_chunks(app) == [4, 4], what="the generator's chunks")
+        assert "DataParallel(Linear)@two_models.py:8" in status(app)
+        await press(app, "q")
+        await until(lambda: not app.is_running, what="the app to exit")
+    assert app.run_.wait(30)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_the_ui_in_a_real_terminal_takes_the_script_along_when_dptui_is_signalled(signum):
+    master, slave = pty.openpty()
+    env = dict(os.environ, TERM="xterm-256color")
+    proc = subprocess.Popen([sys.executable, "-m", "tui.cli", "run", str(SCRIPTS / "endless.py")],
+                            stdin=slave, stdout=slave, stderr=slave, env=env, start_new_session=True)
+    os.close(slave)
+    screen = bytearray()
+
+    def drain() -> None:  # a terminal that is not read would block the UI
+        while chunk := _read(master):
+            screen.extend(chunk)
+
+    threading.Thread(target=drain, daemon=True).start()
+    try:
+        deadline = time.monotonic() + 30
+        while len(psutil.Process(proc.pid).children(recursive=True)) < 2 or b"step" not in screen:
+            assert time.monotonic() < deadline, "the script never got going"
+            time.sleep(0.05)
+        family = psutil.Process(proc.pid).children(recursive=True)  # the script and its grandchild
+        proc.send_signal(signum)
+        assert proc.wait(30) == 130  # SIGINT to the script: its KeyboardInterrupt
+        deadline = time.monotonic() + 20
+        while not all(gone(p.pid) for p in family):
+            assert time.monotonic() < deadline, "a process was left behind"
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(master)
+
+
+def _read(fd: int) -> bytes:
+    try:
+        return os.read(fd, 1 << 16)
+    except OSError:  # the terminal's other side closed
+        return b""

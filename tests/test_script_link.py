@@ -1,0 +1,122 @@
+"""The child's end of `dptui run`'s pipes, in-process: it never stalls the script."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import torch
+from torch import nn
+
+from dpengine.script.link import MAX_QUEUED_STEPS, ParentLink
+from dpengine.script.wire import step_from_json
+
+
+def a_record(make_dp):
+    dp = make_dp(nn.Linear(5, 2), device_ids=["cpu:0", "cpu:1"])
+    dp(torch.randn(6, 5)).sum().backward()
+    return dp.last_step
+
+
+class Lines:
+    """What the sender wrote so far, in whole lines (a read can end mid-line)."""
+
+    def __init__(self, fd: int) -> None:
+        os.set_blocking(fd, False)
+        self._fd = fd
+        self._partial = b""
+
+    def __call__(self) -> list[dict]:
+        while True:
+            try:
+                chunk = os.read(self._fd, 1 << 16)
+            except BlockingIOError:
+                break
+            if not chunk:
+                break
+            self._partial += chunk
+        *whole, self._partial = self._partial.split(b"\n")
+        return [json.loads(line) for line in whole]
+
+
+def read_all(fd: int, into: list[dict]) -> None:
+    with os.fdopen(fd, "rb") as pipe:
+        for line in pipe:
+            into.append(json.loads(line))
+
+
+def test_a_step_crosses_as_the_json_step_event(make_dp):
+    events_r, events_w = os.pipe()
+    control_r, control_w = os.pipe()
+    link = ParentLink(events_w, control_r, ("cpu:0", "cpu:1"), on_parent_gone=lambda: None)
+    record = a_record(make_dp)
+    link.post_step("DataParallel(Linear)@x.py:1", record)
+    link.flush()
+    (line,) = Lines(events_r)()
+    assert line["type"] == "step" and line["instance"] == "DataParallel(Linear)@x.py:1"
+    event = step_from_json(line)
+    assert event.record.chunk_sizes == (3, 3) and event.record.replicas == record.replicas
+    os.close(control_w)
+
+
+def test_a_stuck_reader_never_stalls_the_script_steps_are_coalesced(make_dp):
+    events_r, events_w = os.pipe()
+    control_r, control_w = os.pipe()
+    link = ParentLink(events_w, control_r, ("cpu:0",), on_parent_gone=lambda: None)
+    record = a_record(make_dp)
+    posts = 20_000  # far more than the pipe holds while nobody reads it
+    started = time.perf_counter()
+    for _ in range(posts):
+        link.post_step("a", record)
+    per_post = (time.perf_counter() - started) / posts
+    assert per_post < 50e-6  # an append under a lock, whatever the reader does
+    assert len(link._steps) <= MAX_QUEUED_STEPS  # bounded memory
+    received: list[dict] = []
+    reader = threading.Thread(target=lambda: read_all(events_r, received), daemon=True)
+    reader.start()  # dptui catches up
+    deadline = time.monotonic() + 20
+    while sum(1 if e["type"] == "step" else e.get("steps", 0) for e in list(received)) < posts:
+        assert time.monotonic() < deadline, "steps lost, neither sent nor counted as coalesced"
+        time.sleep(0.02)
+    assert any(e["type"] == "coalesced" for e in received)
+    os.close(control_w)
+
+
+def test_pause_holds_the_next_forward_until_resume():
+    events_r, events_w = os.pipe()
+    control_r, control_w = os.pipe()
+    link = ParentLink(events_w, control_r, ("cpu:0",), on_parent_gone=lambda: None)
+    read_lines = Lines(events_r)
+    os.write(control_w, b'{"op": "pause"}\n')
+    passed = threading.Event()
+
+    def forward() -> None:
+        link.wait_if_paused()
+        passed.set()
+
+    deadline = time.monotonic() + 10
+    while link._running.is_set():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    thread = threading.Thread(target=forward)
+    thread.start()
+    while not any(e.get("state") == "paused" for e in read_lines()):
+        assert time.monotonic() < deadline, "never said paused"
+        time.sleep(0.01)
+    assert not passed.is_set()
+    os.write(control_w, b'{"op": "resume"}\n')
+    thread.join(10)
+    assert passed.is_set()
+    os.close(control_w)
+
+
+def test_the_control_pipes_eof_is_the_lifeline():
+    events_r, events_w = os.pipe()
+    control_r, control_w = os.pipe()
+    gone = threading.Event()
+    ParentLink(events_w, control_r, ("cpu:0",), on_parent_gone=gone.set)
+    os.close(control_w)  # dptui died
+    assert gone.wait(10)
+

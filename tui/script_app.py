@@ -1,0 +1,195 @@
+"""The Textual app over a `dptui run` script: the same panels, with the keys a script allows."""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+
+from rich.text import Text
+from textual.binding import Binding
+
+from dpengine.events import Event, RunFailed, RunFinished, RunStarted
+
+from . import format as fmt
+from .app import DptuiApp
+from .script_events import DataParallelSeen, ScriptEvent, ScriptExited, ScriptOutput
+from .script_run import BATCH_OWNED, ScriptRun
+from .session import Session
+from .state import HISTORY_POINTS, LogLine, Notice, RunView, Snapshot
+from .widgets.status_bar import STATE_STYLES, StatusBar
+
+WAIT_NOTE_AFTER_S = 0.5
+
+
+class ScriptRunView(RunView):
+    """RunView plus the script's output, its DataParallel objects and its exit status."""
+
+    def __init__(self, label: str, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(clock)
+        self._label = label
+        self._exit: ScriptExited | None = None
+
+    def feed(self, event: Event | ScriptEvent) -> None:
+        if isinstance(event, (RunFinished, RunFailed)):
+            return  # ScriptExited says it, in the script's terms
+        if isinstance(event, RunStarted):  # the first step of the DataParallel the panels follow
+            with self._lock:
+                self._version += 1
+                self._on_started(event)
+                self._throughput, self._throughput_history = None, deque(maxlen=HISTORY_POINTS)
+                config = event.config  # in the script's terms: it has no lr, seed or epochs we know
+                self._log[-1] = LogLine(f"panels follow {config.workload} on {', '.join(config.devices)}", "event")
+            return
+        handler = {ScriptOutput: self._on_output, DataParallelSeen: self._on_seen,
+                   ScriptExited: self._on_exit}.get(type(event))
+        if handler is None:
+            super().feed(event)
+            return
+        with self._lock:
+            self._version += 1
+            handler(event)
+
+    def _on_output(self, event: ScriptOutput) -> None:
+        self._log.append(LogLine(event.line, "error" if event.stream == "stderr" else "model"))
+
+    def _on_seen(self, event: DataParallelSeen) -> None:
+        more = "" if event.count == 1 else " (i switches the panels to it)"
+        self._event(f"DataParallel #{event.count}: {event.instance} on {', '.join(event.devices)}{more}")
+
+    def _on_exit(self, event: ScriptExited) -> None:
+        self._exit = event
+        self._end("finished" if event.code == 0 else "failed")
+        how = f" ({event.signal})" if event.signal else ""
+        self._event(f"script exited {event.code}{how}")
+        self._notices.append(Notice(f"script exited {event.code}{how} — q to quit", title="Script ended",
+                                    severity="information" if event.code == 0 else "error"))
+
+    @property
+    def ended(self) -> bool:
+        return self._exit is not None or super().ended
+
+    def snapshot(self) -> Snapshot:
+        snap = super().snapshot()
+        # A script's loss is its own: dptui sees only what passes through DataParallel.
+        snap = dataclasses.replace(snap, loss=None, loss_history=())
+        if self._exit is not None:
+            return dataclasses.replace(snap, state=f"script exited {self._exit.code} — q to quit",
+                                       workload=snap.workload or self._label)
+        if not snap.workload:
+            return dataclasses.replace(snap, workload=self._label, state="no DataParallel seen yet")
+        return snap
+
+
+class ScriptStatusBar(StatusBar):
+    """A script has no epochs or loss that dptui knows of: its program, DataParallel, steps, state."""
+
+    NOTE_S = 6.0
+
+    def __init__(self, label: str, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._label = label
+        self._note = ""
+
+    def say(self, note: str) -> None:
+        """A sentence at the end of the bar for a few seconds, e.g. why a key does nothing here."""
+        self._show_note(note)
+        self.set_timer(self.NOTE_S, lambda: self._show_note("") if self._note == note else None)
+
+    def _show_note(self, note: str) -> None:
+        self._note = note
+        if self._snap is not None:
+            self._draw()
+
+    def _draw(self) -> None:
+        snap = self._snap
+        sep = Text(" │ ", style="dim")
+        parts = [Text(self._label, style="bold")]
+        if snap.step:
+            parts += [Text(snap.workload), Text(f"batch {snap.batch_size}"), Text(f"step {snap.step}"),
+                      Text(f"{fmt.rate(snap.samples_per_s)} samples/s")]
+        state = Text(f"● {snap.state}", style=STATE_STYLES.get(snap.state, "bold"))
+        if snap.pending:
+            state.append(f": {snap.pending}", style="magenta")
+        if self._note:
+            state.append(f"  {self._note}", style="yellow")
+        text = sep.join([*parts, state])
+        self.update(text, layout=False)
+
+
+class ScriptApp(DptuiApp):
+    """Steers a ScriptRun: space pauses at the next DataParallel forward, 1-9/d move it, q stops it."""
+
+    BINDINGS = [
+        *DptuiApp.BINDINGS,
+        Binding("i", "next_instance", "Instance", tooltip="Panels follow the script's next DataParallel"),
+    ]
+
+    def __init__(self, run: ScriptRun, **kwargs) -> None:
+        super().__init__(lambda: run, **kwargs)
+        self.run_ = run
+        self.title = f"dptui run {run.target.label}"
+        self.status = ScriptStatusBar(run.target.label, id="status")
+
+    def _start_run(self) -> None:
+        self.session = Session(ScriptRunView(self.run_.target.label, self._clock))
+        self._shown_version = -1
+        self._worker = self._train(self.session)
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "restart":
+            return False  # a script cannot be run again from fresh weights
+        if action in ("scale_batch", "ask_batch", "next_instance"):
+            return super().check_action("help", parameters)  # shown, to say who owns the batch
+        return super().check_action(action, parameters)
+
+    def action_pause(self) -> None:
+        try:
+            super().action_pause()
+        except ValueError as refusal:  # the script ended as the key was pressed
+            self._say(str(refusal))
+
+    action_resume = action_pause
+
+    def action_scale_batch(self, factor: float) -> None:
+        self.status.say(BATCH_OWNED)
+
+    def action_ask_batch(self) -> None:
+        self.status.say(BATCH_OWNED)
+
+    def action_restart(self) -> None:
+        self._say("A script cannot be restarted from dptui.")
+
+    def action_next_instance(self) -> None:
+        try:
+            name = self.run_.show_next_instance()
+        except ValueError as refusal:
+            self._say(str(refusal))
+            return
+        self.notify(f"The panels follow {name} from its next step.")
+
+
+def run_script_app(run: ScriptRun) -> int:
+    """The UI until q; then the script is stopped (if still running) and its status returned."""
+    app = ScriptApp(run)
+
+    def on_signal(signum, frame) -> None:  # dptui itself told to stop: the script goes too
+        run.stop()
+        app.exit()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        app.run()
+        run.stop()
+        if not run.wait(WAIT_NOTE_AFTER_S):
+            print("dptui: waiting for the script to stop (SIGINT, then SIGTERM, then SIGKILL)",
+                  file=sys.stderr, flush=True)
+            run.wait()
+    finally:
+        run.kill()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    return run.exit_code if run.exit_code is not None else 0

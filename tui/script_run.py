@@ -1,0 +1,339 @@
+"""ScriptRun: a user's own program run by `dptui run`, steered through the same methods as a Trainer.
+
+The program runs in a child process (same interpreter, its own session, so its DataLoader
+workers and subprocesses share one process group that dptui signals as a whole). Records
+come over a private pipe, never its stdout/stderr; controls go back over another pipe,
+whose EOF tells the child that dptui is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import IO, Any
+
+from dpengine.events import (
+    ConfigChanged,
+    Publisher,
+    RunConfig,
+    RunFailed,
+    RunFinished,
+    RunStarted,
+    StateChanged,
+    TelemetrySampled,
+)
+from dpengine.run_protocol import BATCH_SIZE, DEVICES, PAUSE, ControlUnsupported
+from dpengine.script import wire
+
+from .script_events import DataParallelSeen, ScriptExited, ScriptOutput, ScriptStarted
+
+GRACE_S = 5.0  # after SIGINT, then after SIGTERM, before the next signal
+BATCH_OWNED = "The script owns its batch size: change it in the script."
+
+
+@dataclass(frozen=True)
+class ScriptTarget:
+    """`dptui run PATH ARGS` or `dptui run -m MODULE ARGS`."""
+
+    program: str  # a path, or a module name when `module`
+    args: tuple[str, ...] = ()
+    module: bool = False
+
+    @property
+    def label(self) -> str:
+        return f"-m {self.program}" if self.module else os.path.basename(self.program)
+
+    def bootstrap_argv(self) -> list[str]:
+        head = ["-m", self.program] if self.module else [self.program]
+        return [sys.executable, "-m", "dpengine.script.bootstrap", *head, *self.args]
+
+
+class ScriptRun(Publisher):
+    """A `Run` (dpengine.run_protocol): the script pauses and changes devices; its batch size is its own."""
+
+    controls: frozenset[str] = frozenset({PAUSE, DEVICES})
+
+    def __init__(
+        self,
+        target: ScriptTarget,
+        devices: Sequence[str],
+        available: Sequence[str] = (),
+        *,
+        capture_output: bool = True,
+        telemetry_interval: float | None = 1.0,
+        grace_s: float = GRACE_S,
+    ) -> None:
+        super().__init__()
+        self.target = target
+        self._devices_arg = tuple(devices)
+        self._available = tuple(available) or self._devices_arg
+        self._capture = capture_output
+        self._telemetry_interval = telemetry_interval
+        self._grace_s = grace_s
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen | None = None
+        self._events_r = -1
+        self._control_w: int | None = None
+        self._stopping = False
+        self._done = threading.Event()
+        self._started_at = 0.0
+        self._config: RunConfig | None = None
+        self._shown: str | None = None  # the DataParallel whose steps the panels show
+        self._devices: tuple[str, ...] = ()
+        self._seen: dict[str, tuple[str, ...]] = {}
+        self._threads: dict[str, dict[str, int]] = {}  # per instance: device -> native thread id
+        self._steps = self._samples = self._coalesced = 0
+        self.exit_code: int | None = None
+
+    # -- what the UI drives -----------------------------------------------------------
+
+    def config(self) -> RunConfig | None:
+        """As Trainer.config(); None until the first DataParallel step (a script's config is what it does)."""
+        return self._config
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        return self._devices
+
+    def run(self) -> RunFinished | RunFailed | None:
+        """Start the script and wait for it; the events tell the rest. None if stopped before it began."""
+        try:
+            with self._lock:
+                if self._stopping:
+                    return None
+                self._start()
+            proc = self._proc
+            readers = self._start_readers()
+            poller = self._start_telemetry(proc.pid)
+            code = proc.wait()
+            self._signal_group(signal.SIGKILL)  # whatever it left behind: no orphans
+            for reader in readers:
+                reader.join(timeout=5)
+            if poller is not None:
+                poller.stop()
+                poller.source.close()
+            return self._finish(code)
+        finally:
+            self._close_control()
+            self._done.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Until run() has returned (True) or the timeout passed."""
+        return self._done.wait(timeout)
+
+    def stop(self) -> None:
+        """SIGINT to the script's group (its KeyboardInterrupt handling runs), SIGTERM, then SIGKILL."""
+        with self._lock:
+            if self._stopping:
+                return
+            self._stopping = True
+            started = self._proc is not None
+        if started:
+            threading.Thread(target=self._escalate, name="dptui-run-stop", daemon=True).start()
+
+    def kill(self) -> None:
+        """End the whole group now (dptui itself is going)."""
+        self._signal_group(signal.SIGKILL)
+
+    def pause(self) -> None:
+        self._send({"op": "pause"})
+
+    def resume(self) -> None:
+        self._send({"op": "resume"})
+
+    def show_next_instance(self) -> str:
+        """Let the panels follow the next DataParallel the script built, from its next step."""
+        seen = list(self._seen)
+        if len(seen) < 2:
+            raise ValueError("The script has built one DataParallel so far: nothing to switch to.")
+        following = seen[(seen.index(self._shown) + 1) % len(seen)] if self._shown in seen else seen[0]
+        self._shown = following
+        self._config = None  # its first step starts the panels afresh (a new RunStarted)
+        return following
+
+    def set_batch_size(self, n: int) -> None:
+        raise ControlUnsupported(BATCH_SIZE, BATCH_OWNED)
+
+    def set_devices(self, devices: Sequence[str]) -> None:
+        devices = tuple(devices)
+        if not devices:
+            raise ValueError("Choose at least one device.")
+        current = self._devices
+        if current and current[0].startswith("cuda:") and devices[0] != current[0]:
+            raise ValueError(f"{current[0]} holds the script's model: it stays first in the run.")
+        self._send({"op": "devices", "devices": list(devices)})
+
+    # -- the child --------------------------------------------------------------------
+
+    def _start(self) -> None:
+        events_r, events_w = os.pipe()
+        control_r, control_w = os.pipe()
+        env = dict(os.environ)
+        env[wire.EVENTS_FD] = str(events_w)
+        env[wire.CONTROL_FD] = str(control_r)
+        env[wire.DEVICES] = ",".join(self._devices_arg)
+        if self._capture:
+            env["PYTHONUNBUFFERED"] = "1"  # lines as they are printed, not in 8 KiB blocks
+        pipe = subprocess.PIPE if self._capture else None
+        try:
+            self._proc = subprocess.Popen(
+                self.target.bootstrap_argv(), env=env, pass_fds=(events_w, control_r),
+                stdin=subprocess.DEVNULL if self._capture else None, stdout=pipe, stderr=pipe,
+                start_new_session=True,
+            )
+        except BaseException:
+            os.close(events_r)
+            os.close(control_w)
+            raise
+        finally:
+            os.close(events_w)  # the child's ends: ours would keep the pipes open after it exits
+            os.close(control_r)
+        self._events_r = events_r
+        self._control_w = control_w
+        self._started_at = time.monotonic()
+        self._publish(ScriptStarted(argv=(self.target.program, *self.target.args), pid=self._proc.pid))
+
+    def _start_readers(self) -> list[threading.Thread]:
+        targets: list[tuple[Any, tuple]] = [(self._read_events, (self._events_r,))]
+        if self._capture:
+            targets += [(self._read_output, (self._proc.stdout, "stdout")),
+                        (self._read_output, (self._proc.stderr, "stderr"))]
+        threads = [threading.Thread(target=t, args=a, name="dptui-run-reader", daemon=True) for t, a in targets]
+        for thread in threads:
+            thread.start()
+        return threads
+
+    def _start_telemetry(self, pid: int):
+        if self._telemetry_interval is None:
+            return None
+        from dpengine.telemetry import TelemetryPoller, open_telemetry
+
+        try:
+            source = open_telemetry(self._available, lambda: self._threads.get(self._shown, {}), pid=pid)
+        except Exception:  # noqa: BLE001 - no telemetry is no reason to stop the script
+            return None
+        return TelemetryPoller(source, lambda s: self._publish(TelemetrySampled(s)), self._telemetry_interval).start()
+
+    def _read_output(self, stream: IO[bytes], name: str) -> None:
+        with stream:
+            for raw in stream:
+                self._publish(ScriptOutput(name, raw.decode("utf-8", "replace").rstrip("\r\n")))
+
+    def _read_events(self, fd: int) -> None:
+        with os.fdopen(fd, "rb") as pipe:
+            for raw in pipe:
+                try:
+                    body = json.loads(raw)
+                except ValueError:
+                    continue  # a line torn by a child killed mid-write
+                self._on_message(body)
+
+    def _on_message(self, body: dict[str, Any]) -> None:
+        kind = body.get("type")
+        instance = body.get("instance", "")
+        if kind == "dp_created" and instance not in self._seen:
+            self._seen[instance] = tuple(body["devices"])
+            self._publish(DataParallelSeen(instance, tuple(body["devices"]), len(self._seen)))
+        elif kind == "step":
+            if self._shown is None:
+                self._shown = instance
+            if instance == self._shown:
+                self._on_step(body)
+        elif kind == "threads":
+            self._threads[instance] = {str(k): int(v) for k, v in body["threads"].items()}
+        elif kind == "state":
+            self._publish(StateChanged(body["state"], body.get("detail", "")))
+        elif kind == "config" and instance == self._shown:
+            self._devices = tuple(body["devices"])
+            batch = self._config.batch_size if self._config else 0
+            self._publish(ConfigChanged(batch, self._devices, int(body["step"])))
+        elif kind == "coalesced":
+            self._coalesced += int(body["steps"])
+
+    def _on_step(self, body: dict[str, Any]) -> None:
+        event = wire.step_from_json(body)
+        if self._config is None:
+            self._devices = event.record.devices
+            self._config = self._run_config(event.batch_size)
+            self._publish(RunStarted(self._config))
+        self._steps += 1
+        self._samples += event.batch_size
+        self._publish(event)
+
+    def _run_config(self, batch_size: int) -> RunConfig:
+        available = self._available
+        if self._devices and self._devices[0].split(":")[0] != available[0].split(":")[0]:
+            available = self._devices  # the script chose its own device_ids, of another kind
+        available += tuple(d for d in self._devices if d not in available)
+        return RunConfig(
+            workload=self._shown or "", backend="dptui run",
+            devices=self._devices, available_devices=available, batch_size=batch_size,
+            epochs=None, lr=math.nan, seed=None, samples=0,
+            device_names=tuple("virtual" if d.startswith("cpu:") else "" for d in available),
+        )
+
+    def _finish(self, returncode: int) -> RunFinished | RunFailed:
+        signame = None
+        if returncode < 0:
+            signame = signal.Signals(-returncode).name if -returncode in signal.valid_signals() else None
+            code = 128 - returncode
+        else:
+            code = returncode
+        self.exit_code = code
+        seconds = time.monotonic() - self._started_at
+        self._publish(ScriptExited(code, signame))
+        if code == 0:
+            final: RunFinished | RunFailed = RunFinished(
+                final_loss=None, epochs=0, steps=self._steps, samples=self._samples,
+                seconds=seconds, stopped=self._stopping)
+        else:
+            how = f" ({signame})" if signame else ""
+            final = RunFailed(error=f"script exited {code}{how}", error_type="ScriptExit")
+        self._publish(final)
+        return final
+
+    # -- signals and control ----------------------------------------------------------
+
+    def _escalate(self) -> None:
+        proc = self._proc
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            self._signal_group(signum)
+            try:
+                proc.wait(self._grace_s)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+        self._signal_group(signal.SIGKILL)
+
+    def _signal_group(self, signum: int) -> None:
+        proc = self._proc
+        if proc is None:
+            return
+        try:
+            os.killpg(proc.pid, signum)  # the child leads its own session: its pid is the group's id
+        except (ProcessLookupError, PermissionError):
+            pass  # the group is gone already
+
+    def _send(self, message: dict[str, Any]) -> None:
+        with self._lock:
+            fd = self._control_w
+            if fd is None:
+                raise ValueError("The script is not running.")
+            try:
+                os.write(fd, (json.dumps(message) + "\n").encode())
+            except OSError:
+                raise ValueError("The script is not running.") from None
+
+    def _close_control(self) -> None:
+        with self._lock:
+            fd, self._control_w = self._control_w, None
+        if fd is not None:
+            os.close(fd)
