@@ -250,7 +250,7 @@ class ScriptRun(Publisher):
         elif kind == "threads":
             self._threads[instance] = {str(k): int(v) for k, v in body["threads"].items()}
         elif kind == "state":
-            self._publish(StateChanged(body["state"], body.get("detail", "")))
+            self._publish(StateChanged(body["state"]))
         elif kind == "config" and instance == self._shown:
             self._devices = tuple(body["devices"])
             batch = self._config.batch_size if self._config else 0

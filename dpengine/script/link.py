@@ -89,9 +89,9 @@ class ParentLink:
     def wait_if_paused(self) -> None:
         if self._running.is_set():
             return
-        self.post({"type": "state", "state": "paused", "detail": "at a DataParallel forward"})
+        self.post({"type": "state", "state": "paused"})
         self._running.wait()
-        self.post({"type": "state", "state": "running", "detail": ""})
+        self.post({"type": "state", "state": "running"})
 
     def flush(self, timeout: float = FLUSH_AT_EXIT_S) -> None:
         """Wait (bounded) until everything queued is written: the last steps of a script that ends."""

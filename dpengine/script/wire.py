@@ -4,7 +4,7 @@ Child -> dptui, one JSON object per line (steps use the `step` form of dpengine.
   {"type": "dp_created", "instance": KEY, "name": TEXT, "devices": [...]}   (once per KEY)
   {"type": "step", "instance": KEY, ...to_json_dict(StepFinished)}
   {"type": "threads", "instance": KEY, "threads": {device: native thread id}}
-  {"type": "state", "state": "paused" | "running", "detail": ""}
+  {"type": "state", "state": "paused" | "running"}
   {"type": "config", "instance": KEY, "devices": [...], "step": N}
   {"type": "coalesced", "steps": N}    (steps dropped because dptui fell behind)
 dptui -> child, the control pipe (its EOF means dptui is gone):
