@@ -208,8 +208,9 @@ def read_event_log(path: str | os.PathLike) -> list[Event | OtherEvent]:
         return reader.read_rest()
 
 
-# What a dptui log can start with: a run's events, or a script's output (`dptui run --json`).
-FIRST_TYPES = frozenset(_DECODERS) | {"output"}
+# What a dptui log can start with: a run's events, or what `dptui run --json` says first
+# (the script's start, or its output).
+FIRST_TYPES = frozenset(_DECODERS) | {"output", "script_started"}
 
 
 def check_event_log(path: str | os.PathLike) -> None:

@@ -65,6 +65,26 @@ def test_headless_summary_of_a_real_headless_run(tmp_path, capsys):
     assert float(rows["cpu:0"][3]) == pytest.approx(mean_forward, rel=0.01, abs=0.001)
 
 
+def test_headless_summary_of_a_dptui_run_log(tmp_path):
+    """`dptui run --headless --json` output is a log `dptui view` reads like any other."""
+    log = tmp_path / "script.jsonl"
+    script = Path(__file__).parent / "fixtures" / "scripts" / "plain_loop.py"
+    with log.open("w") as out:
+        ran = subprocess.run(
+            [sys.executable, "-m", "tui.cli", "run", "--headless", "--json", "--devices", "cpu:0,cpu:1", str(script)],
+            stdout=out, stderr=subprocess.PIPE, text=True, timeout=120,
+        )
+    assert ran.returncode == 0, ran.stderr
+    steps = [e for e in read_event_log(log) if isinstance(e, StepFinished)]
+    assert steps, "the script's steps are in the log"
+    shown = subprocess.run([sys.executable, "-m", "tui.cli", "view", "--headless", str(log)],
+                           capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    rows = {line.split()[0]: line.split() for line in shown.stdout.splitlines()[2:]}
+    assert list(rows) == ["cpu:0", "cpu:1"]
+    assert int(rows["cpu:0"][1]) == len(steps)  # one chunk per recorded step
+
+
 def test_headless_summary_of_a_log_still_being_written(tmp_path, capsys):
     log = tmp_path / "run.jsonl"
     log.write_text(jsonl(demo_events(DEVICES, epochs=1))[:-30])  # the last line cut mid-write
