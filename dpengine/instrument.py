@@ -24,9 +24,9 @@ import torch
 
 from .records import ReplicaRecord, Shape
 
-# Graph nodes a replica does not own: parameters' AccumulateGrad (shared by all
-# replicas on CPU) and torch's Broadcast (the replicate step on CUDA).
-_FOREIGN_NODES = frozenset({"AccumulateGrad", "BroadcastBackward"})
+# Graph nodes a replica does not own: parameters' AccumulateGrad, and the replicate step:
+# torch's Broadcast on CUDA, dpengine's SharedParameters on CPU.
+_FOREIGN_NODES = frozenset({"AccumulateGrad", "BroadcastBackward", "SharedParametersBackward"})
 # A replica graph walked after every forward: past this many nodes the walk would cost more
 # than it tells, so the walkers stop (the step is left untimed, or summed as autograd does).
 MAX_WALKED_NODES = 20_000
@@ -193,6 +193,7 @@ class ReplicaProbe:
         self._chunk = 0
         self._input_shapes: tuple[Shape, ...] = ()
         self._output_shapes: tuple[Shape, ...] = ()
+        self._timed = True
 
     def measure(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """fn(*args, **kwargs), timed; in the replica's thread."""
@@ -226,6 +227,12 @@ class ReplicaProbe:
             if timer.attach(output, boundary):
                 self.backward = timer
 
+    def untimed(self, apply_s: float) -> None:
+        """The replica ran outside `measure` (a parallel_apply override): say so, and give it the span."""
+        self._forward_s = apply_s
+        self._timed = False
+        self._cuda_clock = None
+
     def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, on_backward_done) -> Any:
         """measure and describe in one, for a replica run on the caller's own thread."""
         output = self.measure(fn, args, kwargs)
@@ -245,6 +252,7 @@ class ReplicaProbe:
             memory_bytes=self._memory,
             peak_memory_bytes=self._peak,
             backward_ms=backward.elapsed_ms() if backward is not None and backward.done else None,
+            forward_timed=self._timed,
         )
 
 

@@ -13,7 +13,6 @@ from torch import nn
 
 import dpengine
 from dpengine import DataParallel
-from dpengine import data_parallel, replicate as rep
 from dpengine.replicate import replicate_shared
 
 Out = namedtuple("Out", ["logits", "norm"])
@@ -545,52 +544,32 @@ def test_replicas_do_not_keep_python_attribute_changes(make_dp) -> None:
 def _replica_forward(module: nn.Module, x: torch.Tensor, count: int):
     chunks = x.chunk(count)
     replicas = replicate_shared(module, len(chunks))
-    outputs = [replica(chunk) for replica, chunk in zip(replicas, chunks)]
-    return outputs, [(chunk,) for chunk in chunks], [{} for _ in chunks]
+    return [replica(chunk) for replica, chunk in zip(replicas, chunks)]
 
 
-@pytest.mark.parametrize("summed", [False, True])
-def test_replica_gradients_of_a_shared_weight_are_summed_in_place(monkeypatch, summed: bool) -> None:
-    monkeypatch.setattr(rep, "MIN_SUMMED_BYTES", 0)
+def test_replica_gradients_of_a_shared_weight_are_summed_in_place() -> None:
     torch.manual_seed(6)
     lin = nn.Linear(6, 5)
     plain = copy.deepcopy(lin)
     x = torch.randn(8, 6)
-    outputs, args, kwargs = _replica_forward(lin, x, 4)
-    if summed:
-        # weight through TBackward0, bias through AddmmBackward0: two nodes a replica
-        assert rep.sum_gradients_in_place(lin, outputs, args, kwargs) == 8
-    # Where each replica's weight gradient lies, as autograd receives it (after the hooks above).
+    outputs = _replica_forward(lin, x, 4)
+    # Where each replica's weight gradient lies, as autograd hands it to the parameter.
     arrived: list[int] = []
     for out in outputs:
-        (transpose,) = [n for n, _ in out.grad_fn.next_functions if type(n).__name__ == "TBackward0"]
-        transpose.register_hook(lambda grad_inputs, _: arrived.append(grad_inputs[0].data_ptr()))
+        (share,) = [n for n, _ in out.grad_fn.next_functions if type(n).__name__ == "TBackward0"]
+        while type(share).__name__ != "SharedParametersBackward":
+            share = share.next_functions[0][0]
+        share.register_hook(lambda grad_inputs, _: arrived.append(grad_inputs[0].data_ptr()))
     torch.cat(outputs).pow(2).sum().backward()
     plain(x).pow(2).sum().backward()
     assert_grads_equal(plain, lin)
     assert len(arrived) == 4
-    # Summed in place: the first gradient to arrive became the sum. Otherwise autograd made a
-    # new tensor for the first sum (three weight-sized tensors at once) and added the rest to it.
-    assert (lin.weight.grad.data_ptr() in arrived) is summed
+    # Summed in place: the first gradient to arrive became the sum, instead of autograd making
+    # a new tensor for the first sum (three weight-sized tensors alive at once).
+    assert lin.weight.grad.data_ptr() in arrived
 
 
-def test_summing_in_place_is_left_out_where_it_cannot_matter() -> None:
-    lin = nn.Linear(6, 5)  # far below MIN_SUMMED_BYTES
-    outputs, args, kwargs = _replica_forward(lin, torch.randn(8, 6), 4)
-    assert rep.sum_gradients_in_place(lin, outputs, args, kwargs) == 0
-    big = nn.Linear(512, 512, bias=False)  # 1 MiB of float32
-    assert big.weight.numel() * big.weight.element_size() >= rep.MIN_SUMMED_BYTES
-    outputs, args, kwargs = _replica_forward(big, torch.randn(4, 512), 1)
-    assert rep.sum_gradients_in_place(big, outputs, args, kwargs) == 0  # one replica: nothing to sum
-    with torch.no_grad():
-        outputs, args, kwargs = _replica_forward(big, torch.randn(4, 512), 2)
-        assert rep.sum_gradients_in_place(big, outputs, args, kwargs) == 0
-    outputs, args, kwargs = _replica_forward(big, torch.randn(4, 512), 2)
-    assert rep.sum_gradients_in_place(big, outputs, args, kwargs) == 2
-
-
-def test_summing_in_place_stops_at_the_replica_inputs_and_keeps_double_backward(monkeypatch) -> None:
-    monkeypatch.setattr(rep, "MIN_SUMMED_BYTES", 0)
+def test_replica_gradients_keep_double_backward_through_the_callers_use_of_the_weight() -> None:
     torch.manual_seed(7)
     lin = nn.Linear(4, 4, bias=False)
     plain = copy.deepcopy(lin)
@@ -599,31 +578,10 @@ def test_summing_in_place_stops_at_the_replica_inputs_and_keeps_double_backward(
     def loss_of(module: nn.Module, replicas: int | None) -> torch.Tensor:
         xi = x.clone().requires_grad_(True)
         h = module(xi)  # the caller's graph above the replicas uses the same weight
-        if replicas is None:
-            out = module(h)
-        else:
-            outputs, args, kwargs = _replica_forward(module, h, replicas)
-            # one node a replica: the caller's own use of the weight is not the replicas'
-            assert rep.sum_gradients_in_place(module, outputs, args, kwargs) == replicas
-            out = torch.cat(outputs)
+        out = module(h) if replicas is None else torch.cat(_replica_forward(module, h, replicas))
         (grad_x,) = torch.autograd.grad(out.pow(2).sum(), xi, create_graph=True)
         return out.sum() + grad_x.pow(2).sum()
 
     loss_of(lin, 3).backward()
     loss_of(plain, None).backward()
-    assert_grads_equal(plain, lin)
-
-
-def test_dataparallel_sums_shared_gradients_in_place_on_cpu(make_dp, monkeypatch) -> None:
-    monkeypatch.setattr(rep, "MIN_SUMMED_BYTES", 0)
-    hooked: list[int] = []
-    monkeypatch.setattr(data_parallel, "sum_gradients_in_place",
-                        lambda *a: hooked.append(rep.sum_gradients_in_place(*a)) or hooked[-1])
-    torch.manual_seed(8)
-    lin = nn.Linear(6, 5)
-    plain = copy.deepcopy(lin)
-    x = torch.randn(8, 6)
-    make_dp(lin, cpus(4))(x).sum().backward()
-    plain(x).sum().backward()
-    assert hooked == [8]  # weight and bias nodes of four replicas
     assert_grads_equal(plain, lin)
