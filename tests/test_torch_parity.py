@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+import dpengine
 from dpengine import DataParallel
 
 
@@ -273,3 +274,67 @@ def test_zero_grad_inside_a_replica_warns_and_clears_nothing(make_dp) -> None:
         dp(torch.randn(4, 2))
     assert any("zero_grad" in str(w.message) and "no effect" in str(w.message) for w in caught)
     assert torch.equal(model.lin.weight.grad, kept)
+
+
+# ----------------------------------------------------------------- 4. functional forms
+
+
+def test_functional_data_parallel_matches_the_module() -> None:
+    torch.manual_seed(4)
+    model = nn.Linear(5, 2)
+    plain = copy.deepcopy(model)
+    x = torch.randn(10, 5)
+    out = dpengine.data_parallel(model, x, cpus(3), output_device="cpu:0", dim=0)
+    torch.testing.assert_close(out, plain(x))
+    out.sum().backward()
+    plain(x).sum().backward()
+    assert_grads_equal(plain, model)
+
+
+def test_functional_data_parallel_passes_module_kwargs() -> None:
+    class Scaled(nn.Module):
+        def forward(self, x, scale):
+            return x * scale
+
+    x = torch.randn(6, 2)
+    out = dpengine.data_parallel(Scaled(), (x,), cpus(2), module_kwargs={"scale": 3.0})
+    torch.testing.assert_close(out, x * 3.0)
+    out = dpengine.data_parallel(Scaled(), (), cpus(2), module_kwargs={"x": x, "scale": 2.0})
+    torch.testing.assert_close(out, x * 2.0)
+
+
+def test_functional_scatter_and_gather() -> None:
+    x = torch.arange(20.0).view(10, 2)
+    chunks = dpengine.scatter(x, cpus(3))
+    assert isinstance(chunks, tuple) and [c.shape[0] for c in chunks] == [4, 4, 2]
+    pieces = dpengine.scatter((x, "tag"), cpus(2))
+    assert isinstance(pieces, list) and [p[1] for p in pieces] == ["tag", "tag"]
+    assert [p[0].shape[0] for p in pieces] == [5, 5]
+    for target in (-1, "cpu", torch.device("cpu"), "cpu:0"):
+        torch.testing.assert_close(dpengine.gather(list(chunks), target), x)
+    with pytest.warns(UserWarning, match="scalars"):
+        assert dpengine.gather([torch.tensor(1.0), torch.tensor(2.0)], "cpu").shape == (2,)
+
+
+def test_functional_replicate_and_parallel_apply() -> None:
+    torch.manual_seed(5)
+    model = nn.Linear(3, 3)
+    replicas = dpengine.replicate(model, cpus(2))
+    inputs = [torch.randn(2, 3), torch.randn(4, 3)]
+    # as torch's test_parallel_apply: inputs as tuples, and a single object per replica
+    for per_replica in ([(i,) for i in inputs], inputs):
+        outputs = dpengine.parallel_apply(replicas, per_replica, None, cpus(2))
+        for out, i in zip(outputs, inputs):
+            torch.testing.assert_close(out, model(i))
+    outputs = dpengine.parallel_apply(replicas, [(i,) for i in inputs])  # devices from the inputs
+    torch.testing.assert_close(outputs[1], model(inputs[1]))
+
+
+def test_functional_parallel_apply_reraises_with_the_replica_and_device() -> None:
+    class Fails(nn.Module):
+        def forward(self, x):
+            raise KeyError("boom")
+
+    with pytest.raises(KeyError, match="in replica 1 on device cpu:1") as info:
+        dpengine.parallel_apply([nn.Identity(), Fails()], [torch.ones(1), torch.ones(1)], None, cpus(2))
+    assert dpengine.replica_failure(info.value).index == 1
