@@ -156,8 +156,9 @@ class DataParallel(nn.Module):
 
         if pending is not None:
             replica_done = pending.countdown.replica_done
-            for probe, a, kw, out in zip(probes, args, kwargs_list, outputs):
-                probe.describe(a, kw, out, replica_done)
+            nodes = call.share_nodes if len(call.share_nodes) == len(probes) else [None] * len(probes)
+            for probe, a, kw, out, node in zip(probes, args, kwargs_list, outputs, nodes):
+                probe.describe(a, kw, out, replica_done, node)
                 if not call.measured:
                     # A parallel_apply override ran the replicas: each ran within its span.
                     probe.untimed(applied - replicated)
@@ -197,7 +198,8 @@ class DataParallel(nn.Module):
         if plan is None or not plan.current():
             plan = ReplicationPlan(module)
             _set(self, "_plan", plan)
-        return replicate_shared(module, len(device_ids), plan)
+        return replicate_shared(module, len(device_ids), plan, nodes=self._call.share_nodes
+                                if self._call is not None else None)
 
     def parallel_apply(self, replicas: Sequence[nn.Module], inputs: Sequence[Any],
                        kwargs: Sequence[dict[str, Any]] | None) -> list[Any]:
@@ -313,9 +315,10 @@ class DataParallel(nn.Module):
 class _Call:
     """What the step methods of one forward tell each other (an override may skip any of them)."""
 
-    __slots__ = ("slots", "probes", "measured")
+    __slots__ = ("slots", "probes", "measured", "share_nodes")
 
     def __init__(self) -> None:
+        self.share_nodes: list[Any] = []  # each replica's SharedParameters node, from replicate
         self.slots: list[int] | None = None  # device slot of each replica, set by scatter
         self.probes: list[ReplicaProbe] | None = None
         self.measured = False  # the replicas ran through the probes

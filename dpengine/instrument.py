@@ -116,13 +116,33 @@ class BackwardTimer:
         self._cuda_span = _CudaSpan() if device.type == "cuda" else None
         self.done = False
 
-    def attach(self, outputs: Any, boundary: set[Any]) -> bool:
-        """Hook the replica's graph below `outputs`, down to `boundary`; False if it has no node."""
+    @staticmethod
+    def _roots(outputs: Any, boundary: set[Any]) -> list[Any]:
         roots = []
         for tensor in tensors_of(outputs):
             node = tensor.grad_fn
             if _owned(node, boundary) and node not in roots:
                 roots.append(node)
+        return roots
+
+    def attach_ending_at(self, outputs: Any, boundary: set[Any], last: Any) -> bool:
+        """Hook the output nodes and `last`, the node every gradient of the replica ends in.
+
+        For a CPU replica whose inputs need no gradient: its SharedParameters node runs once
+        every node of the replica has (each leads to a parameter), so no walk is needed.
+        """
+        roots = self._roots(outputs, boundary)
+        if not roots:
+            return False
+        for node in roots:
+            node.register_prehook(self._start)
+        last.register_hook(self._end)
+        self._frontier_left = 1
+        return True
+
+    def attach(self, outputs: Any, boundary: set[Any]) -> bool:
+        """Hook the replica's graph below `outputs`, down to `boundary`; False if it has no node."""
+        roots = self._roots(outputs, boundary)
         if not roots:
             return False
         seen = set(roots)
@@ -213,8 +233,12 @@ class ReplicaProbe:
         self._peak = torch.cuda.max_memory_allocated(self.device)
         return output
 
-    def describe(self, args: tuple, kwargs: dict, output: Any, on_backward_done: Callable[[], None]) -> None:
-        """Note shapes and, under grad, hook the replica's graph; in the caller, after the forward."""
+    def describe(self, args: tuple, kwargs: dict, output: Any, on_backward_done: Callable[[], None],
+                 last_node: Any = None) -> None:
+        """Note shapes and, under grad, hook the replica's graph; in the caller, after the forward.
+
+        `last_node`: the replica's SharedParameters node, if it has one (CPU).
+        """
         inputs = tensors_of((args, kwargs))
         self._input_shapes = tuple(tuple(t.shape) for t in inputs)
         self._chunk = inputs[0].size(self.dim) if inputs and inputs[0].dim() > 0 else 0
@@ -224,7 +248,11 @@ class ReplicaProbe:
         if torch.is_grad_enabled():
             boundary = {t.grad_fn for t in inputs}
             timer = BackwardTimer(self.device, on_backward_done)
-            if timer.attach(output, boundary):
+            if last_node is not None and not any(t.requires_grad for t in inputs):
+                attached = timer.attach_ending_at(output, boundary, last_node)
+            else:
+                attached = timer.attach(output, boundary)
+            if attached:
                 self.backward = timer
 
     def untimed(self, apply_s: float) -> None:

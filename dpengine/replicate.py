@@ -118,9 +118,13 @@ class ReplicationPlan:
 
 
 def replicate_shared(
-    module: nn.Module, count: int, plan: ReplicationPlan | None = None, detach: bool = False
+    module: nn.Module, count: int, plan: ReplicationPlan | None = None, detach: bool = False,
+    nodes: list[Any] | None = None,
 ) -> list[nn.Module]:
-    """`count` replicas of module whose parameters are views of its own (CPU)."""
+    """`count` replicas of module whose parameters are views of its own (CPU).
+
+    `nodes`, if given, receives each replica's SharedParameters autograd node (None without one).
+    """
     if plan is None or not plan.current():
         plan = ReplicationPlan(module)
     params = plan.params
@@ -133,6 +137,10 @@ def replicate_shared(
             views = SharedParameters.apply(*(params[i] for i in trainable))
             for i, view in zip(trainable, views):
                 values[i] = view
+            if nodes is not None:
+                nodes.append(views[0].grad_fn)
+        elif nodes is not None:
+            nodes.append(None)
         elif detach:
             values = [p.detach() for p in params]
         copies = [
