@@ -25,7 +25,8 @@ from dpengine.scatter_gather import Split, gather, scatter_kwargs
 from .common import Goal, Section, interleave, paired_ratio, stats, time_rows
 
 DEVICES = 4
-GOAL = 5.0  # dpengine at least 5x faster per step than thread-per-call
+GOAL_RECORDED = 3.0  # issue 12 goal 1: at least 3x less time than thread-per-call, recording on
+GOAL = 5.0  # and at least 5x with recording off
 
 
 def torch_style_parallel_apply(modules, inputs, kwargs_tup) -> list[Any]:
@@ -151,11 +152,16 @@ def run(quick: bool = False) -> Section:
     dp.close()
     dp_off.close()
 
+    detail = (f"paired {paired:.2f}x; dispatch only {only['threads'].median / only['pool'].median:.2f}x; "
+              f"plain module {st['dp'].median / st['plain'].median:.0f}x faster than dpengine")
     section.goals.append(Goal(
-        1, f"seed forward, {DEVICES} virtual devices: dpengine >= {GOAL:.0f}x faster than thread-per-call",
-        f"{speedup:.2f}x (record on; paired {paired:.2f}x); record off {speedup_off:.2f}x; "
-        f"dispatch only {only['threads'].median / only['pool'].median:.2f}x; "
-        f"plain module {st['dp'].median / st['plain'].median:.0f}x faster than dpengine",
-        "met" if speedup >= GOAL else "MISSED",
+        1, f"seed forward, {DEVICES} virtual devices, recording on: >= {GOAL_RECORDED:.0f}x faster than "
+        "thread-per-call", f"{speedup:.2f}x ({detail})",
+        "met" if speedup >= GOAL_RECORDED else "MISSED",
+    ))
+    section.goals.append(Goal(
+        1, f"seed forward, {DEVICES} virtual devices, recording off: >= {GOAL:.0f}x faster than "
+        "thread-per-call", f"{speedup_off:.2f}x",
+        "met" if speedup_off >= GOAL else "MISSED",
     ))
     return section

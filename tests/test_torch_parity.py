@@ -338,3 +338,33 @@ def test_functional_parallel_apply_reraises_with_the_replica_and_device() -> Non
     with pytest.raises(KeyError, match="in replica 1 on device cpu:1") as info:
         dpengine.parallel_apply([nn.Identity(), Fails()], [torch.ones(1), torch.ones(1)], None, cpus(2))
     assert dpengine.replica_failure(info.value).index == 1
+
+
+# ----------------------------------------------------------------- the same on GPUs
+
+CUDA = torch.cuda.is_available()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_overrides_functional_forms_and_zero_grads_on_gpus() -> None:
+    gpus = list(range(torch.cuda.device_count()))
+    torch.manual_seed(9)
+    model = nn.Linear(4, 1).cuda()
+    plain = copy.deepcopy(model)
+    x = torch.randn(8, 4, device="cuda", requires_grad=True)
+    out = dpengine.data_parallel(model, x, gpus)
+    torch.testing.assert_close(out, plain(x), atol=1e-5, rtol=1e-5)
+    (grad_x,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    grad_x.mean().backward()
+    if len(gpus) > 1:  # through torch's Broadcast: zeros for the unused bias
+        torch.testing.assert_close(model.bias.grad, torch.zeros(1, device="cuda"))
+    dp = DataParallelModel(model, gpus)
+    try:
+        outputs = dp(torch.randn(8, 4, device="cuda"))
+        assert isinstance(outputs, list) if len(gpus) > 1 else outputs.shape == (8, 1)
+        assert dp.last_step.devices == tuple(f"cuda:{i}" for i in gpus[: len(dp.last_step.devices)])
+        chunks = dpengine.scatter(torch.arange(8.0, device="cuda"), gpus)
+        torch.testing.assert_close(dpengine.gather(list(chunks), -1), torch.arange(8.0))
+    finally:
+        dp.close()
