@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 import weakref
@@ -18,7 +17,7 @@ from .devices import DeviceLike, default_devices, device_name, parse_device, res
 from .instrument import BackwardCountdown, ReplicaProbe, shapes_of, tensors_of
 from .parallel_apply import ThreadState, WorkerPool, reraise, run_in_state
 from .records import StepRecord
-from .replicate import ReplicationPlan, replicate, replicate_shared
+from .replicate import ReplicationPlan, WrongDevice, replicate, replicate_shared
 from .scatter_gather import Split, gather, scatter_kwargs
 
 StepCallback = Callable[[StepRecord], None]
@@ -258,23 +257,19 @@ class DataParallel(nn.Module):
         return probes[index].measure(replica, args, kwargs)
 
     def _check_module_device(self) -> None:
-        plan = self._plan
-        if plan is None or not plan.current():
-            plan = ReplicationPlan(self.module)
-            _set(self, "_plan", plan)
+        """torch's check that the module is on device_ids[0], without walking the module tree."""
         src = self.src_device_obj
-        # The plan's modules, not module.parameters(): their dicts are live, so a .to() shows,
-        # and no walk of the module tree runs while its structure is unchanged.
-        for m in plan.modules:
-            for tensor in itertools.chain(m._parameters.values(), m._buffers.values()):
-                if tensor is not None and (
-                    tensor.device.type != src.type or (src.type == "cuda" and tensor.device != src)
-                ):
-                    raise RuntimeError(
-                        "module must have its parameters and buffers on device "
-                        f"{device_name(src)} (device_ids[0]) but found one of them on device: "
-                        f"{tensor.device}"
-                    )
+        plan = self._plan
+        try:
+            if plan is None or not plan.current() or not plan.unchanged_and_on(src):
+                plan = ReplicationPlan(self.module)
+                _set(self, "_plan", plan)
+                plan.unchanged_and_on(src)
+        except WrongDevice as wrong:
+            raise RuntimeError(
+                "module must have its parameters and buffers on device "
+                f"{device_name(src)} (device_ids[0]) but found one of them on device: {wrong.found}"
+            ) from None
 
     # -- records ---------------------------------------------------------------
 

@@ -15,6 +15,7 @@ buffer.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -107,6 +108,7 @@ class ReplicationPlan:
             tuple((key, None if c is None else position[id(c)]) for key, c in m._modules.items())
             for m in self.modules
         ]
+        self.sizes = [(len(m._parameters), len(m._buffers), len(m._modules)) for m in self.modules]
         self.general = [
             type(m).__setattr__ is not _MODULE_SETATTR
             or type(m)._replicate_for_data_parallel is not _MODULE_REPLICATE
@@ -114,7 +116,34 @@ class ReplicationPlan:
         ]
 
     def current(self) -> bool:
+        """Whether the module still has this structure (cheap: no walk of the module tree)."""
         return self.generation == structure_generation()
+
+    def unchanged_and_on(self, device: torch.device) -> bool:
+        """Every parameter and buffer on `device` (CPU: any virtual device), and no entry deleted.
+
+        One pass over the plan's live dicts: `.to()` shows here, and so does a `del` of a
+        parameter, buffer or submodule (which no registration hook reports).
+        """
+        cuda = device.type == "cuda"
+        for m, size in zip(self.modules, self.sizes):
+            params, buffers = m._parameters, m._buffers
+            if (len(params), len(buffers), len(m._modules)) != size:
+                return False
+            for tensor in itertools.chain(params.values(), buffers.values()):
+                if tensor is not None and (
+                    tensor.device.type != device.type or (cuda and tensor.device != device)
+                ):
+                    raise WrongDevice(tensor.device)
+        return True
+
+
+class WrongDevice(Exception):
+    """A parameter or buffer of the module is not on device_ids[0]."""
+
+    def __init__(self, found: torch.device) -> None:
+        super().__init__(str(found))
+        self.found = found
 
 
 def replicate_shared(

@@ -248,6 +248,10 @@ def test_replicas_follow_train_and_eval_and_replaced_parameters(make_dp) -> None
     torch.testing.assert_close(dp(x), model[0].bias.expand(4, 3))
     model.append(nn.Linear(3, 1))  # a new submodule
     assert dp(x).shape == (4, 1)
+    del model[2]  # a deletion, which no registration hook reports
+    assert dp(x).shape == (4, 3)
+    model.double()  # moved in place: the device check still looks at every tensor
+    assert dp(x.double()).dtype == torch.float64
 
 
 # ----------------------------------------------------------------- 3. zero_grad in a replica
