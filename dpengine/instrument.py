@@ -136,9 +136,12 @@ class BackwardTimer:
             return False
         for node in roots:
             node.register_prehook(self._start)
-        last.register_hook(self._end)
+        last.on_backward = self._last_done  # called by SharedParameters.backward: no hook to register
         self._frontier_left = 1
         return True
+
+    def _last_done(self) -> None:
+        self._end(None, None)
 
     def attach(self, outputs: Any, boundary: set[Any]) -> bool:
         """Hook the replica's graph below `outputs`, down to `boundary`; False if it has no node."""

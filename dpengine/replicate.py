@@ -73,9 +73,19 @@ class SharedParameters(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if torch.is_grad_enabled():  # create_graph: the gradients must keep their graph
-            return grads
-        return tuple(_summable(g) for g in grads)
+        if not torch.is_grad_enabled():  # under create_graph the gradients must keep their graph
+            grads = tuple(_summable(g) for g in grads)
+        done = ctx.on_backward  # the recorder's "this replica's backward is over", if it set one
+        if done is not None:
+            done()
+        return grads
+
+
+# The ctx is the autograd node; a class default, so a replica nobody records costs nothing.
+SharedParameters._backward_cls.on_backward = None
+
+# Below this many elements the extra tensor is not worth the Python calls that avoid it.
+MIN_SUMMED_ELEMENTS = 1 << 18
 
 
 def _summable(grad: torch.Tensor) -> torch.Tensor:
@@ -85,7 +95,7 @@ def _summable(grad: torch.Tensor) -> torch.Tensor:
     # weight-sized gradients alive at once where two do. The same storage without the base
     # lets the first gradient become the running sum. Only whole-storage views: a slice of a
     # bigger tensor would keep all of it alive as the parameter's .grad.
-    if grad._is_view() and grad._base.numel() == grad.numel():
+    if grad.numel() >= MIN_SUMMED_ELEMENTS and grad._is_view() and grad._base.numel() == grad.numel():
         return grad.detach()
     return grad
 
