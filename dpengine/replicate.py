@@ -73,29 +73,47 @@ class SharedParameters(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if not torch.is_grad_enabled():  # under create_graph the gradients must keep their graph
-            grads = tuple(_summable(g) for g in grads)
+        big = ctx.big
+        if big and not torch.is_grad_enabled():  # under create_graph grads must keep their graph
+            grads = list(grads)
+            for i in big:
+                grads[i] = _summable(grads[i])
         done = ctx.on_backward  # the recorder's "this replica's backward is over", if it set one
         if done is not None:
             done()
-        return grads
+        return tuple(grads)
 
 
-# The ctx is the autograd node; a class default, so a replica nobody records costs nothing.
+# The ctx is the autograd node. Class defaults, so a replica nobody records costs nothing:
+# `big`, the positions of parameters whose gradients are worth summing in place (set per node
+# by replicate_shared); `on_backward`, set by the recorder.
+SharedParameters._backward_cls.big = ()
 SharedParameters._backward_cls.on_backward = None
+
+# Function.apply's Python wrapper first unwraps functorch's dead wrappers in every argument (a
+# pytree walk); the C++ apply under it is a third cheaper, and right unless a functorch
+# transform is active.
+_apply_shared = super(torch.autograd.Function, SharedParameters).apply
+
+
+def _shared_views(params: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    if torch._C._are_functorch_transforms_active():
+        return SharedParameters.apply(*params)
+    return _apply_shared(*params)
+
 
 # Below this many elements the extra tensor is not worth the Python calls that avoid it.
 MIN_SUMMED_ELEMENTS = 1 << 18
 
 
-def _summable(grad: torch.Tensor) -> torch.Tensor:
+def _summable(grad: torch.Tensor | None) -> torch.Tensor | None:
     # Autograd sums the replicas' gradients of a Parameter in place into the first one only if
     # that one holds its storage alone. A Linear weight's gradient is a view (t() of the
     # matmul's result) sharing its base's storage, so the first sum was a new tensor: three
     # weight-sized gradients alive at once where two do. The same storage without the base
     # lets the first gradient become the running sum. Only whole-storage views: a slice of a
     # bigger tensor would keep all of it alive as the parameter's .grad.
-    if grad.numel() >= MIN_SUMMED_ELEMENTS and grad._is_view() and grad._base.numel() == grad.numel():
+    if grad is not None and grad._is_view() and grad._base.numel() == grad.numel():
         return grad.detach()
     return grad
 
@@ -169,19 +187,24 @@ def replicate_shared(
     params = plan.params
     differentiable = not detach and torch.is_grad_enabled()
     trainable = [i for i, p in enumerate(params) if p.requires_grad] if differentiable else []
+    shared = [params[i] for i in trainable]
+    big = tuple(k for k, p in enumerate(shared) if p.numel() >= MIN_SUMMED_ELEMENTS)
     replicas = []
     for r in range(count):
         values: list[torch.Tensor] = list(params)
         if trainable:
-            views = SharedParameters.apply(*(params[i] for i in trainable))
+            views = _shared_views(shared)
+            if big:
+                views[0].grad_fn.big = big
             for i, view in zip(trainable, views):
                 values[i] = view
             if nodes is not None:
                 nodes.append(views[0].grad_fn)
-        elif nodes is not None:
-            nodes.append(None)
-        elif detach:
-            values = [p.detach() for p in params]
+        else:
+            if detach:
+                values = [p.detach() for p in params]
+            if nodes is not None:
+                nodes.append(None)
         copies = [
             _copy(m, r == 0, assigns, values, general)
             for m, assigns, general in zip(plan.modules, plan.assignments, plan.general)
