@@ -117,15 +117,15 @@ class BackwardTimer:
         self.done = False
 
     @staticmethod
-    def _roots(outputs: Any, boundary: set[Any]) -> list[Any]:
+    def _roots(outputs: list[torch.Tensor], boundary: set[Any]) -> list[Any]:
         roots = []
-        for tensor in tensors_of(outputs):
+        for tensor in outputs:
             node = tensor.grad_fn
             if _owned(node, boundary) and node not in roots:
                 roots.append(node)
         return roots
 
-    def attach_ending_at(self, outputs: Any, boundary: set[Any], last: Any) -> bool:
+    def attach_ending_at(self, outputs: list[torch.Tensor], boundary: set[Any], last: Any) -> bool:
         """Hook the output nodes and `last`, the node every gradient of the replica ends in.
 
         For a CPU replica whose inputs need no gradient: its SharedParameters node runs once
@@ -143,8 +143,8 @@ class BackwardTimer:
     def _last_done(self) -> None:
         self._end(None, None)
 
-    def attach(self, outputs: Any, boundary: set[Any]) -> bool:
-        """Hook the replica's graph below `outputs`, down to `boundary`; False if it has no node."""
+    def attach(self, outputs: list[torch.Tensor], boundary: set[Any]) -> bool:
+        """Hook the replica's graph below its output tensors, down to `boundary`; False if it has no node."""
         roots = self._roots(outputs, boundary)
         if not roots:
             return False
@@ -243,18 +243,19 @@ class ReplicaProbe:
         `last_node`: the replica's SharedParameters node, if it has one (CPU).
         """
         inputs = tensors_of((args, kwargs))
+        outputs = tensors_of(output)
         self._input_shapes = tuple(tuple(t.shape) for t in inputs)
         self._chunk = inputs[0].size(self.dim) if inputs and inputs[0].dim() > 0 else 0
-        self._output_shapes = shapes_of(output)
+        self._output_shapes = tuple(tuple(t.shape) for t in outputs)
         if self._saved is not None:
             self._memory = self._saved.total
         if torch.is_grad_enabled():
-            boundary = {t.grad_fn for t in inputs}
             timer = BackwardTimer(self.device, on_backward_done)
             if last_node is not None and not any(t.requires_grad for t in inputs):
-                attached = timer.attach_ending_at(output, boundary, last_node)
+                # inputs without a gradient have no grad_fn: nothing to stop at but foreign nodes
+                attached = timer.attach_ending_at(outputs, set(), last_node)
             else:
-                attached = timer.attach(output, boundary)
+                attached = timer.attach(outputs, {t.grad_fn for t in inputs})
             if attached:
                 self.backward = timer
 
