@@ -197,8 +197,14 @@ class DataParallel(nn.Module):
         if plan is None or not plan.current():
             plan = ReplicationPlan(module)
             _set(self, "_plan", plan)
-        return replicate_shared(module, len(device_ids), plan, nodes=self._call.share_nodes
-                                if self._call is not None else None)
+        call = self._call
+        if call is None:
+            return replicate_shared(module, len(device_ids), plan)
+        if type(self).parallel_apply is DataParallel.parallel_apply:
+            # The views are made in each replica's worker, right before its forward (see _bind).
+            call.binders = []
+            return replicate_shared(module, len(device_ids), plan, binders=call.binders)
+        return replicate_shared(module, len(device_ids), plan, nodes=call.share_nodes)
 
     def parallel_apply(self, replicas: Sequence[nn.Module], inputs: Sequence[Any],
                        kwargs: Sequence[dict[str, Any]] | None) -> list[Any]:
@@ -211,7 +217,12 @@ class DataParallel(nn.Module):
         if kwargs is None:
             kwargs = [{}] * len(replicas)
         inputs = [a if isinstance(a, (list, tuple)) else (a,) for a in inputs]
-        outputs = self._parallel_apply(replicas, inputs, kwargs, list(slots), probes)
+        binders = call.binders if call is not None else None
+        if binders is not None and len(binders) != len(replicas):
+            raise RuntimeError(f"parallel_apply got {len(replicas)} replicas, replicate made {len(binders)}")
+        if binders is not None:
+            call.share_nodes = [None] * len(replicas)
+        outputs = self._parallel_apply(replicas, inputs, kwargs, list(slots), probes, binders)
         if call is not None and probes is not None:
             call.measured = True
         return outputs
@@ -232,7 +243,7 @@ class DataParallel(nn.Module):
             return slots
         return list(range(len(args)))
 
-    def _parallel_apply(self, replicas, args, kwargs_list, slots, probes) -> list[Any]:
+    def _parallel_apply(self, replicas, args, kwargs_list, slots, probes, binders=None) -> list[Any]:
         if self._pool is None:
             self._pool = WorkerPool(self.devices)
             weakref.finalize(self, self._pool.close)
@@ -243,6 +254,8 @@ class DataParallel(nn.Module):
             device = self.devices[slot]
             stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
             job = partial(run_replica, i, replica, a, kw, probes)
+            if binders is not None and binders[i] is not None:
+                job = partial(_bind_then, binders[i], self._call.share_nodes, i, job)
             jobs.append((slot, partial(run_in_state, state, device, stream, job)))
         results = self._pool.run(jobs)
         for index, result in enumerate(results):
@@ -310,9 +323,10 @@ class DataParallel(nn.Module):
 class _Call:
     """What the step methods of one forward tell each other (an override may skip any of them)."""
 
-    __slots__ = ("slots", "probes", "measured", "share_nodes")
+    __slots__ = ("slots", "probes", "measured", "share_nodes", "binders")
 
     def __init__(self) -> None:
+        self.binders: list[Any] | None = None  # per replica: makes its parameter views, in its worker
         self.share_nodes: list[Any] = []  # each replica's SharedParameters node, from replicate
         self.slots: list[int] | None = None  # device slot of each replica, set by scatter
         self.probes: list[ReplicaProbe] | None = None
@@ -353,6 +367,12 @@ class _PendingStep:
             scatter_ms=scatter, replicate_ms=replicate_, apply_ms=apply, gather_ms=gather_,
             total_ms=total, backward_ms=backward_ms,
         )
+
+
+def _bind_then(bind: Callable[[], Any], nodes: list[Any], index: int, job: Callable[[], Any]) -> Any:
+    """In the replica's worker: give it its parameter views, note their node, run it."""
+    nodes[index] = bind()
+    return job()
 
 
 def _notify_backward_done(owner_ref: weakref.ref, pending_ref: weakref.ref) -> None:

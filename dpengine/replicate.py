@@ -16,7 +16,8 @@ buffer.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -176,37 +177,29 @@ class WrongDevice(Exception):
 
 def replicate_shared(
     module: nn.Module, count: int, plan: ReplicationPlan | None = None, detach: bool = False,
-    nodes: list[Any] | None = None,
+    nodes: list[Any] | None = None, binders: list[Callable[[], Any]] | None = None,
 ) -> list[nn.Module]:
     """`count` replicas of module whose parameters are views of its own (CPU).
 
     `nodes`, if given, receives each replica's SharedParameters autograd node (None without one).
+    `binders`, if given, receives instead one function per replica (None without trainable
+    parameters) that makes its views and returns its node: to be called in the thread that runs
+    the replica, before its forward, so that the node's autograd sequence number ranks it with
+    the replica's own nodes (see _bind).
     """
     if plan is None or not plan.current():
         plan = ReplicationPlan(module)
     params = plan.params
     differentiable = not detach and torch.is_grad_enabled()
     trainable = [i for i, p in enumerate(params) if p.requires_grad] if differentiable else []
+    slot = {i: k for k, i in enumerate(trainable)}
     shared = [params[i] for i in trainable]
     big = tuple(k for k, p in enumerate(shared) if p.numel() >= MIN_SUMMED_ELEMENTS)
+    base = [p.detach() for p in params] if detach else list(params)
     replicas = []
     for r in range(count):
-        values: list[torch.Tensor] = list(params)
-        if trainable:
-            views = _shared_views(shared)
-            if big:
-                views[0].grad_fn.big = big
-            for i, view in zip(trainable, views):
-                values[i] = view
-            if nodes is not None:
-                nodes.append(views[0].grad_fn)
-        else:
-            if detach:
-                values = [p.detach() for p in params]
-            if nodes is not None:
-                nodes.append(None)
         copies = [
-            _copy(m, r == 0, assigns, values, general)
+            _copy(m, r == 0, assigns, base, general)
             for m, assigns, general in zip(plan.modules, plan.assignments, plan.general)
         ]
         for copy, children in zip(copies, plan.children):
@@ -214,7 +207,48 @@ def replicate_shared(
             for name, i in children:
                 modules[name] = None if i is None else copies[i]
         replicas.append(copies[0])
+        if not trainable:
+            if binders is not None:
+                binders.append(None)
+            elif nodes is not None:
+                nodes.append(None)
+            continue
+        targets = [
+            (copy if general else copy.__dict__, general, key, slot[i])
+            for copy, assigns, general in zip(copies, plan.assignments, plan.general)
+            for key, i in assigns if i in slot
+        ]
+        bind = partial(_bind, shared, big, targets)
+        if binders is not None:
+            binders.append(bind)
+        else:
+            node = bind()
+            if nodes is not None:
+                nodes.append(node)
     return replicas
+
+
+def _bind(shared: list[torch.Tensor], big: tuple[int, ...], targets: list[tuple]) -> Any:
+    """Give one replica its views of the shared parameters; returns their autograd node.
+
+    Autograd runs a CPU backward's ready nodes highest sequence number first, and numbers count
+    per thread. Made in the replica's worker just before its forward, the node ranks below the
+    replica's own nodes and above the next replica's (parallel_apply staggers the workers'
+    numbers), so it runs as soon as the replica's gradients are all in and hands them to the
+    parameters. Made in the caller, it could wait behind other replicas' backward, keeping every
+    gradient of its replica alive meanwhile (mlp, 4 replicas: peak RSS 1.03x -> 1.14x of one
+    replica, glibc's mmap threshold fixed).
+    """
+    views = _shared_views(shared)
+    node = views[0].grad_fn
+    if big:
+        node.big = big
+    for target, general, key, k in targets:
+        if general:
+            setattr(target, key, views[k])
+        else:
+            target[key] = views[k]
+    return node
 
 
 _MODULE_SETATTR = nn.Module.__setattr__
@@ -238,7 +272,10 @@ def _copy(
             if i is None:
                 copy._parameters[key] = None
             else:
-                setattr(copy, key, values[i])
+                # A Parameter would be registered on the copy (and bump the structure
+                # generation): a frozen or no-grad parameter goes in as a plain tensor, as torch's.
+                value = values[i]
+                setattr(copy, key, value.detach() if isinstance(value, nn.Parameter) else value)
         return copy
     # What Module._replicate_for_data_parallel plus the assignments above leave, built in one go:
     # nn.Module.__setattr__ is slow and these keys never hold a parameter, buffer or module.
