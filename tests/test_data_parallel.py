@@ -591,3 +591,30 @@ def test_replica_gradients_keep_double_backward_through_the_callers_use_of_the_w
     loss_of(lin, 3).backward()
     loss_of(plain, None).backward()
     assert_grads_equal(plain, lin)
+
+
+def test_each_replica_hands_its_gradients_to_the_parameters_before_the_next_replica_starts(make_dp) -> None:
+    # The replicas' SharedParameters nodes are made in their workers, so each runs as soon as
+    # its replica's gradients are in: never are two replicas' weight gradients alive at once.
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    dp = make_dp(model, cpus(3))
+    for _ in range(3):  # the callers' own autograd numbers grow meanwhile, as in training
+        model(torch.randn(5, 4)).sum().backward()
+        out = dp(torch.randn(9, 4))
+        order: list[tuple[str, int]] = []
+        for replica, (output_node, _) in enumerate(out.grad_fn.next_functions):
+            output_node.register_prehook(lambda _, r=replica: order.append(("start", r)))
+            stack, seen = [output_node], set()
+            while stack:
+                node = stack.pop()
+                if type(node).__name__ == "SharedParametersBackward":
+                    node.register_prehook(lambda _, r=replica: order.append(("share", r)))
+                    continue
+                for child, _ in node.next_functions:
+                    if child is not None and child not in seen:
+                        seen.add(child)
+                        stack.append(child)
+        out.sum().backward()
+        assert len(order) == 6
+        assert [kind for kind, _ in order] == ["start", "share"] * 3
+        assert all(order[i][1] == order[i + 1][1] for i in range(0, 6, 2))
