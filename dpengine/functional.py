@@ -20,7 +20,7 @@ from .data_parallel import _parse_output_device
 from .devices import DeviceLike, default_devices, device_name, parse_device
 from .instrument import tensors_of
 from .parallel_apply import ThreadState, WorkerPool, reraise, run_in_state
-from .replicate import replicate
+from .replicate import replicate, replicate_shared
 from .scatter_gather import Split, scatter_kwargs
 from .scatter_gather import gather as _gather
 from .scatter_gather import scatter as _scatter
@@ -56,6 +56,10 @@ def parallel_apply(
     devices: Sequence[DeviceLike | None] | None = None,
 ) -> list[Any]:
     """modules[i](*inputs[i], **kwargs_tup[i]) in device i's worker thread; outputs in order."""
+    return _parallel_apply(modules, inputs, kwargs_tup, devices)
+
+
+def _parallel_apply(modules, inputs, kwargs_tup, devices, binders=None) -> list[Any]:
     if len(modules) != len(inputs):
         raise ValueError(f"{len(modules)} modules but {len(inputs)} inputs: give one input per module")
     kwargs_tup = [{}] * len(modules) if kwargs_tup is None else list(kwargs_tup)
@@ -75,7 +79,10 @@ def parallel_apply(
         if not isinstance(args, (list, tuple)):
             args = (args,)  # torch: a single input is never sliced
         stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-        jobs.append((slot, partial(run_in_state, state, device, stream, partial(_call, module, args, kwargs))))
+        job = partial(_call, module, args, kwargs)
+        if binders is not None and binders[slot] is not None:
+            job = partial(_bind_then, binders[slot], job)
+        jobs.append((slot, partial(run_in_state, state, device, stream, job)))
     results = _pool(resolved).run(jobs)
     for index, result in enumerate(results):
         if isinstance(result, ExceptionWrapper):
@@ -85,6 +92,11 @@ def parallel_apply(
 
 def _call(module: nn.Module, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     return module(*args, **kwargs)
+
+
+def _bind_then(bind, job) -> Any:
+    bind()  # the replica's parameter views, made in its worker (see replicate._bind)
+    return job()
 
 
 def _device_of(inputs: Any, index: int) -> torch.device:
@@ -121,6 +133,10 @@ def data_parallel(
     if len(devices) == 1:
         return module(*args[0], **kwargs_list[0])
     used = [devices[s] for s in slots]
-    replicas = replicate(module, used)
-    outputs = parallel_apply(replicas, args, kwargs_list, used)
+    if src.type == "cuda":
+        replicas, binders = replicate(module, used), None
+    else:
+        binders = []
+        replicas = replicate_shared(module, len(used), binders=binders)
+    outputs = _parallel_apply(replicas, args, kwargs_list, used, binders)
     return _gather(outputs, target, dim)
