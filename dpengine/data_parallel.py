@@ -201,9 +201,12 @@ class DataParallel(nn.Module):
         if call is None:
             return replicate_shared(module, len(device_ids), plan)
         if type(self).parallel_apply is DataParallel.parallel_apply:
-            # The views are made in each replica's worker, right before its forward (see _bind).
-            call.binders = []
-            return replicate_shared(module, len(device_ids), plan, binders=call.binders)
+            # The views are made in each replica's worker, right before its forward (see _bind);
+            # by replica, for an override that passes on only some of them.
+            binders: list[Any] = []
+            replicas = replicate_shared(module, len(device_ids), plan, binders=binders)
+            call.binders = {id(r): b for r, b in zip(replicas, binders) if b is not None}
+            return replicas
         return replicate_shared(module, len(device_ids), plan, nodes=call.share_nodes)
 
     def parallel_apply(self, replicas: Sequence[nn.Module], inputs: Sequence[Any],
@@ -217,10 +220,9 @@ class DataParallel(nn.Module):
         if kwargs is None:
             kwargs = [{}] * len(replicas)
         inputs = [a if isinstance(a, (list, tuple)) else (a,) for a in inputs]
-        binders = call.binders if call is not None else None
-        if binders is not None and len(binders) != len(replicas):
-            raise RuntimeError(f"parallel_apply got {len(replicas)} replicas, replicate made {len(binders)}")
-        if binders is not None:
+        binders = None
+        if call is not None and call.binders:
+            binders = [call.binders.pop(id(r), None) for r in replicas]
             call.share_nodes = [None] * len(replicas)
         outputs = self._parallel_apply(replicas, inputs, kwargs, list(slots), probes, binders)
         if call is not None and probes is not None:
@@ -326,7 +328,8 @@ class _Call:
     __slots__ = ("slots", "probes", "measured", "share_nodes", "binders")
 
     def __init__(self) -> None:
-        self.binders: list[Any] | None = None  # per replica: makes its parameter views, in its worker
+        # id(replica) -> the function that makes its parameter views, run in its worker
+        self.binders: dict[int, Any] | None = None
         self.share_nodes: list[Any] = []  # each replica's SharedParameters node, from replicate
         self.slots: list[int] | None = None  # device slot of each replica, set by scatter
         self.probes: list[ReplicaProbe] | None = None

@@ -372,3 +372,25 @@ def test_overrides_functional_forms_and_zero_grads_on_gpus() -> None:
         torch.testing.assert_close(dpengine.gather(list(chunks), -1), torch.arange(8.0))
     finally:
         dp.close()
+
+
+def test_a_forward_override_that_drops_a_replica_still_runs_the_rest() -> None:
+    class SkipsFirst(DataParallel):
+        # Transformer-XL's forward with gpu0_bsz=0: all replicas made, the first one dropped.
+        def forward(self, x):
+            inputs, kwargs = self.scatter((x,), {}, self.device_ids[1:])
+            replicas = self.replicate(self.module, self.device_ids)[1:]
+            return self.gather(self.parallel_apply(replicas, inputs, kwargs), self.output_device)
+
+    model = nn.Linear(3, 2)
+    plain = copy.deepcopy(model)
+    x = torch.randn(6, 3)
+    dp = SkipsFirst(model, cpus(3))
+    try:
+        out = dp(x)
+        torch.testing.assert_close(out, plain(x))
+        out.sum().backward()
+        plain(x).sum().backward()
+        assert_grads_equal(plain, model)
+    finally:
+        dp.close()
