@@ -163,6 +163,28 @@ def test_a_parallel_apply_override_is_recorded_as_untimed(make_dp) -> None:
         dp.close()
 
 
+def test_a_replicate_override_keeps_the_per_replica_record(make_dp) -> None:
+    class SharesTheModule(DataParallel):
+        def replicate(self, module, device_ids):
+            return [module] * len(device_ids)  # every replica is the module itself
+
+    model = nn.Linear(3, 2)
+    plain = copy.deepcopy(model)
+    dp = SharesTheModule(model, cpus(3))
+    try:
+        x = torch.randn(7, 3)
+        out = dp(x)
+        torch.testing.assert_close(out, plain(x))
+        out.sum().backward()
+        plain(x).sum().backward()
+        assert_grads_equal(plain, model)
+        record = dp.last_step
+        assert record.chunk_sizes == (3, 3, 1)
+        assert all(r.forward_timed and r.backward_ms is not None for r in record.replicas)
+    finally:
+        dp.close()
+
+
 # ----------------------------------------------------------------- 2. replicas as torch makes them
 
 
