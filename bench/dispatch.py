@@ -11,6 +11,7 @@ errors wrapped).
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import torch
@@ -25,7 +26,8 @@ from dpengine.scatter_gather import Split, gather, scatter_kwargs
 from .common import Goal, Section, interleave, paired_ratio, stats, time_rows
 
 DEVICES = 4
-GOAL = 5.0  # dpengine at least 5x faster per step than thread-per-call
+GOAL_RECORDED = 3.0  # issue 12 goal 1: at least 3x less time than thread-per-call, recording on
+GOAL = 5.0  # and at least 5x with recording off
 
 
 def torch_style_parallel_apply(modules, inputs, kwargs_tup) -> list[Any]:
@@ -85,6 +87,50 @@ class ThreadPerCall(nn.Module):
 
 def _noop() -> None:
     return None
+
+
+def _inline(self, jobs):
+    """WorkerPool.run without the threads: every job on the caller, in order."""
+    return [job() for _, job in jobs]
+
+
+def engine_cpu_us(dp: DataParallel, batch: torch.Tensor, target: torch.Tensor, rounds: int, inner: int):
+    """The engine's own Python, in CPU time of this thread: forward, and a whole training step,
+    with the replicas run inline (no threads, so no GIL hand-offs), recording on and off.
+
+    CPU time of one thread is far steadier than wall time on a shared machine: it leaves out
+    the time other processes take the cores.
+    """
+    dp(batch)  # start the pool, then run its jobs inline
+    pool = dp._pool
+    pool.run = _inline.__get__(pool)
+    model = dp.module
+
+    def forward():
+        dp(batch)
+
+    def step():
+        loss = torch.nn.functional.mse_loss(dp(batch), target)
+        model.zero_grad(set_to_none=True)
+        loss.backward()
+        dp.last_step  # noqa: B018 - the trainer reads it every step
+
+    samples: dict[str, list[float]] = {}
+    try:
+        for r in range(rounds):
+            for name, call in (("forward", forward), ("step", step)):
+                for recording in ((True, False) if r % 2 else (False, True)):
+                    dp.recording = recording
+                    key = f"{name} {'on' if recording else 'off'}"
+                    call()
+                    started = time.thread_time()
+                    for _ in range(inner):
+                        call()
+                    samples.setdefault(key, []).append((time.thread_time() - started) / inner)
+    finally:
+        del pool.run
+        dp.recording = True
+    return samples
 
 
 def run(quick: bool = False) -> Section:
@@ -148,14 +194,27 @@ def run(quick: bool = False) -> Section:
         "1 dispatch", f"dispatch only: {DEVICES} no-op jobs", only, "threads", "us",
         {"pool": "dpengine WorkerPool.run", "threads": "thread-per-call (start + join)"},
     )
+    cpu = stats(engine_cpu_us(dp, batch, torch.zeros(30, 2), *((5, 20) if quick else (21, 60))))
+    for name in ("forward", "step"):
+        section.rows += time_rows(
+            "1 dispatch", f"engine CPU per {'forward' if name == 'forward' else 'training step'}, "
+            f"replicas run inline, {DEVICES} virtual devices (thread CPU time)",
+            {k: v for k, v in cpu.items() if k.startswith(name)}, f"{name} off", "us",
+            {f"{name} on": "dpengine (record on)", f"{name} off": "dpengine (record off)"},
+        )
     dp.close()
     dp_off.close()
 
+    detail = (f"paired {paired:.2f}x; dispatch only {only['threads'].median / only['pool'].median:.2f}x; "
+              f"plain module {st['dp'].median / st['plain'].median:.0f}x faster than dpengine")
     section.goals.append(Goal(
-        1, f"seed forward, {DEVICES} virtual devices: dpengine >= {GOAL:.0f}x faster than thread-per-call",
-        f"{speedup:.2f}x (record on; paired {paired:.2f}x); record off {speedup_off:.2f}x; "
-        f"dispatch only {only['threads'].median / only['pool'].median:.2f}x; "
-        f"plain module {st['dp'].median / st['plain'].median:.0f}x faster than dpengine",
-        "met" if speedup >= GOAL else "MISSED",
+        1, f"seed forward, {DEVICES} virtual devices, recording on: >= {GOAL_RECORDED:.0f}x faster than "
+        "thread-per-call", f"{speedup:.2f}x ({detail})",
+        "met" if speedup >= GOAL_RECORDED else "MISSED",
+    ))
+    section.goals.append(Goal(
+        1, f"seed forward, {DEVICES} virtual devices, recording off: >= {GOAL:.0f}x faster than "
+        "thread-per-call", f"{speedup_off:.2f}x",
+        "met" if speedup_off >= GOAL else "MISSED",
     ))
     return section

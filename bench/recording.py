@@ -12,7 +12,8 @@ from .common import Goal, Section, interleave, paired_ratio, stats, time_rows
 from .training import steppers
 
 DEVICES = 2
-GOAL = 0.02  # under 2% on mlp
+GOAL = 0.02  # issue 12 goal 2: under 2% on mlp
+SEED_GOAL = 0.25  # and at most 25% on a seed step
 
 
 def _measure(name: str, rounds: int, inner: int):
@@ -50,10 +51,16 @@ def run(quick: bool = False) -> Section:
                               seed_st, "off", "us", labels)
     cost = st["on"].median / st["off"].median - 1
     paired = paired_ratio(mlp, "on", "off") - 1
+    seed_cost = seed_st["on"].median / seed_st["off"].median - 1
     section.goals.append(Goal(
-        4, f"recording on vs off, mlp: < {GOAL:.0%} slower",
-        f"{cost:+.2%} (paired {paired:+.2%}); seed: {seed_st['on'].median / seed_st['off'].median - 1:+.1%} "
-        f"({(seed_st['on'].median - seed_st['off'].median) * 1e6:.0f} us a step)",
+        4, f"recording on vs off, seed training step: <= {SEED_GOAL:.0%} slower",
+        f"{seed_cost:+.1%} ({(seed_st['on'].median - seed_st['off'].median) * 1e6:.0f} us a step; "
+        f"paired {paired_ratio(seed, 'on', 'off') - 1:+.1%})",
+        "met" if seed_cost <= SEED_GOAL else "MISSED",
+    ))
+    section.goals.append(Goal(
+        4, f"recording on vs off, mlp training step: < {GOAL:.0%} slower",
+        f"{cost:+.2%} (paired {paired:+.2%})",
         "met" if cost < GOAL else "MISSED",
     ))
     return section

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 import weakref
@@ -15,10 +14,10 @@ from torch import nn
 from torch._utils import ExceptionWrapper
 
 from .devices import DeviceLike, default_devices, device_name, parse_device, resolve_devices
-from .instrument import BackwardCountdown, ReplicaProbe, shapes_of
+from .instrument import BackwardCountdown, ReplicaProbe, shapes_of, tensors_of
 from .parallel_apply import ThreadState, WorkerPool, reraise, run_in_state
 from .records import StepRecord
-from .replicate import replicate, sum_gradients_in_place
+from .replicate import ReplicationPlan, WrongDevice, replicate, replicate_shared
 from .scatter_gather import Split, gather, scatter_kwargs
 
 StepCallback = Callable[[StepRecord], None]
@@ -72,6 +71,8 @@ class DataParallel(nn.Module):
         self._record_lock = threading.Lock()
         self._pending: _PendingStep | None = None
         self._last_step: StepRecord | None = None
+        self._plan: ReplicationPlan | None = None
+        self._call: _Call | None = None  # the forward in progress, for the four step methods
 
     # -- configuration ---------------------------------------------------------
 
@@ -112,7 +113,7 @@ class DataParallel(nn.Module):
             self._pool.close()
             self._pool = None
 
-    # -- the forward -----------------------------------------------------------
+    # -- the forward: torch's four steps, each a method a subclass may override ----------
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if not self.devices:
@@ -120,39 +121,46 @@ class DataParallel(nn.Module):
         self._flush_pending()
         started = time.perf_counter()
         self._check_module_device()
-        args, kwargs_list, slots = scatter_kwargs(inputs, kwargs, self.devices, self._split, self.dim)
-        scattered = time.perf_counter()
-        devices = [self.devices[s] for s in slots]
+        call = _Call()
+        _set(self, "_call", call)
+        try:
+            args, kwargs_list = self.scatter(inputs, kwargs, self.device_ids)
+            scattered = time.perf_counter()
+            slots = call.slots if call.slots is not None and len(call.slots) == len(args) else (
+                self._slots_of(args, kwargs_list))
+            devices = [self.devices[s] for s in slots]
+            _set(self, "_step", self._step + 1)
+            probes = call.probes = (
+                [ReplicaProbe(i, d, device_name(d), self.dim) for i, d in enumerate(devices)]
+                if self.recording else None
+            )
+            pending = _PendingStep(self, self._step, probes) if probes is not None else None
 
-        _set(self, "_step", self._step + 1)
-        probes = (
-            [ReplicaProbe(i, d, device_name(d), self.dim) for i, d in enumerate(devices)]
-            if self.recording else None
-        )
-        pending = _PendingStep(self, self._step, probes) if probes is not None else None
-
-        if len(self.devices) == 1:
-            # torch's shortcut: one device runs the module itself, on the caller's thread.
-            replicas = [self.module]
-            replicated = time.perf_counter()
-            outputs = [self._run_replica(0, replicas[0], args[0], kwargs_list[0], probes)]
-            applied = time.perf_counter()
-            output = outputs[0]
-        else:
-            replicas = replicate(self.module, devices)
-            replicated = time.perf_counter()
-            outputs = self._parallel_apply(replicas, args, kwargs_list, slots, probes)
-            if self.src_device_obj.type == "cpu":
-                # The replicas share the Parameters: let autograd sum their gradients in place.
-                sum_gradients_in_place(self.module, outputs, args, kwargs_list)
-            applied = time.perf_counter()
-            output = gather(outputs, self.output_device, self.dim)
-        finished = time.perf_counter()
+            if len(self.devices) == 1:
+                # torch's shortcut: one device runs the module itself, on the caller's thread.
+                replicated = time.perf_counter()
+                outputs = [self._run_replica(0, self.module, args[0], kwargs_list[0], probes)]
+                call.measured = True
+                applied = time.perf_counter()
+                output = outputs[0]
+            else:
+                replicas = self.replicate(self.module, [self.device_ids[s] for s in slots])
+                replicated = time.perf_counter()
+                outputs = self.parallel_apply(replicas, args, kwargs_list)
+                applied = time.perf_counter()
+                output = self.gather(outputs, self.output_device)
+            finished = time.perf_counter()
+        finally:
+            _set(self, "_call", None)
 
         if pending is not None:
             replica_done = pending.countdown.replica_done
-            for probe, a, kw, out in zip(probes, args, kwargs_list, outputs):
-                probe.describe(a, kw, out, replica_done)
+            nodes = call.share_nodes if len(call.share_nodes) == len(probes) else [None] * len(probes)
+            for probe, a, kw, out, node in zip(probes, args, kwargs_list, outputs, nodes):
+                probe.describe(a, kw, out, replica_done, node)
+                if not call.measured:
+                    # A parallel_apply override ran the replicas: each ran within its span.
+                    probe.untimed(applied - replicated)
             input_shapes = shapes_of((inputs, kwargs))
             pending.set_forward(
                 batch_size=input_shapes[0][self.dim] if input_shapes and input_shapes[0] else 0,
@@ -164,7 +172,80 @@ class DataParallel(nn.Module):
             self._begin(pending)
         return output
 
-    def _parallel_apply(self, replicas, args, kwargs_list, slots, probes) -> list[Any]:
+    def scatter(self, inputs: tuple, kwargs: dict[str, Any] | None,
+                device_ids: Sequence[DeviceLike]) -> tuple[list[tuple], list[dict[str, Any]]]:
+        """Split args and kwargs into one (args, kwargs) per replica, by this module's split."""
+        if list(device_ids) == self.device_ids:
+            devices, split, slots_of = self.devices, self._split, None
+        else:
+            # An override scattering over a subset (BalancedDataParallel leaves out device 0).
+            devices = [parse_device(d) for d in device_ids]
+            split, slots_of = Split(len(devices)), [self.devices.index(d) for d in devices]
+        args, kwargs_list, slots = scatter_kwargs(inputs, kwargs, devices, split, self.dim)
+        call = self._call
+        if call is not None:
+            call.slots = slots if slots_of is None else [slots_of[s] for s in slots]
+        return args, kwargs_list
+
+    def replicate(self, module: nn.Module, device_ids: Sequence[DeviceLike]) -> list[nn.Module]:
+        """One replica of module per device, as torch's (non-leaf views of the parameters on CPU)."""
+        if self.src_device_obj.type == "cuda":
+            return replicate(module, device_ids, detach=not torch.is_grad_enabled())
+        plan = self._plan
+        if module is not self.module:
+            return replicate_shared(module, len(device_ids))
+        if plan is None or not plan.current():
+            plan = ReplicationPlan(module)
+            _set(self, "_plan", plan)
+        call = self._call
+        if call is None:
+            return replicate_shared(module, len(device_ids), plan)
+        if type(self).parallel_apply is DataParallel.parallel_apply:
+            # The views are made in each replica's worker, right before its forward (see _bind);
+            # by replica, for an override that passes on only some of them.
+            binders: list[Any] = []
+            replicas = replicate_shared(module, len(device_ids), plan, binders=binders)
+            call.binders = {id(r): b for r, b in zip(replicas, binders) if b is not None}
+            return replicas
+        return replicate_shared(module, len(device_ids), plan, nodes=call.share_nodes)
+
+    def parallel_apply(self, replicas: Sequence[nn.Module], inputs: Sequence[Any],
+                       kwargs: Sequence[dict[str, Any]] | None) -> list[Any]:
+        """Run replica i on inputs[i] and kwargs[i] in its device's persistent worker."""
+        call = self._call
+        slots = call.slots if call is not None and call.slots is not None else range(len(replicas))
+        probes = call.probes if call is not None else None
+        if probes is not None and len(probes) != len(replicas):
+            probes = None
+        if kwargs is None:
+            kwargs = [{}] * len(replicas)
+        inputs = [a if isinstance(a, (list, tuple)) else (a,) for a in inputs]
+        binders = None
+        if call is not None and call.binders:
+            binders = [call.binders.pop(id(r), None) for r in replicas]
+            call.share_nodes = [None] * len(replicas)
+        outputs = self._parallel_apply(replicas, inputs, kwargs, list(slots), probes, binders)
+        if call is not None and probes is not None:
+            call.measured = True
+        return outputs
+
+    def gather(self, outputs: Sequence[Any], output_device: DeviceLike) -> Any:
+        """Concatenate the replicas' outputs on output_device, keeping their structure."""
+        return gather(outputs, _parse_output_device(output_device), self.dim)
+
+    def _slots_of(self, args: Sequence[Any], kwargs_list: Sequence[Any]) -> list[int]:
+        """Device slots of inputs a scatter override made: where their tensors are (CUDA), else in order."""
+        if self.src_device_obj.type == "cuda":
+            slots = []
+            for a, kw in zip(args, kwargs_list):
+                tensors = tensors_of((a, kw))
+                if not tensors or tensors[0].device not in self.devices:
+                    return list(range(len(args)))
+                slots.append(self.devices.index(tensors[0].device))
+            return slots
+        return list(range(len(args)))
+
+    def _parallel_apply(self, replicas, args, kwargs_list, slots, probes, binders=None) -> list[Any]:
         if self._pool is None:
             self._pool = WorkerPool(self.devices)
             weakref.finalize(self, self._pool.close)
@@ -175,6 +256,8 @@ class DataParallel(nn.Module):
             device = self.devices[slot]
             stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
             job = partial(run_replica, i, replica, a, kw, probes)
+            if binders is not None and binders[i] is not None:
+                job = partial(_bind_then, binders[i], self._call.share_nodes, i, job)
             jobs.append((slot, partial(run_in_state, state, device, stream, job)))
         results = self._pool.run(jobs)
         for index, result in enumerate(results):
@@ -189,14 +272,19 @@ class DataParallel(nn.Module):
         return probes[index].measure(replica, args, kwargs)
 
     def _check_module_device(self) -> None:
+        """torch's check that the module is on device_ids[0], without walking the module tree."""
         src = self.src_device_obj
-        for tensor in itertools.chain(self.module.parameters(), self.module.buffers()):
-            if tensor.device.type != src.type or (src.type == "cuda" and tensor.device != src):
-                raise RuntimeError(
-                    "module must have its parameters and buffers on device "
-                    f"{device_name(src)} (device_ids[0]) but found one of them on device: "
-                    f"{tensor.device}"
-                )
+        plan = self._plan
+        try:
+            if plan is None or not plan.current() or not plan.unchanged_and_on(src):
+                plan = ReplicationPlan(self.module)
+                _set(self, "_plan", plan)
+                plan.unchanged_and_on(src)
+        except WrongDevice as wrong:
+            raise RuntimeError(
+                "module must have its parameters and buffers on device "
+                f"{device_name(src)} (device_ids[0]) but found one of them on device: {wrong.found}"
+            ) from None
 
     # -- records ---------------------------------------------------------------
 
@@ -232,6 +320,20 @@ class DataParallel(nn.Module):
 
     def extra_repr(self) -> str:
         return f"devices={[device_name(d) for d in self.devices]}, dim={self.dim}"
+
+
+class _Call:
+    """What the step methods of one forward tell each other (an override may skip any of them)."""
+
+    __slots__ = ("slots", "probes", "measured", "share_nodes", "binders")
+
+    def __init__(self) -> None:
+        # id(replica) -> the function that makes its parameter views, run in its worker
+        self.binders: dict[int, Any] | None = None
+        self.share_nodes: list[Any] = []  # each replica's SharedParameters node, from replicate
+        self.slots: list[int] | None = None  # device slot of each replica, set by scatter
+        self.probes: list[ReplicaProbe] | None = None
+        self.measured = False  # the replicas ran through the probes
 
 
 class _PendingStep:
@@ -270,6 +372,12 @@ class _PendingStep:
         )
 
 
+def _bind_then(bind: Callable[[], Any], nodes: list[Any], index: int, job: Callable[[], Any]) -> Any:
+    """In the replica's worker: give it its parameter views, note their node, run it."""
+    nodes[index] = bind()
+    return job()
+
+
 def _notify_backward_done(owner_ref: weakref.ref, pending_ref: weakref.ref) -> None:
     owner, pending = owner_ref(), pending_ref()
     if owner is not None and pending is not None:
@@ -277,6 +385,8 @@ def _notify_backward_done(owner_ref: weakref.ref, pending_ref: weakref.ref) -> N
 
 
 def _parse_output_device(spec: DeviceLike) -> torch.device:
+    if isinstance(spec, torch.device):
+        return spec
     if isinstance(spec, int) and spec == -1:
         return torch.device("cpu")
     if isinstance(spec, str) and spec == "cpu":

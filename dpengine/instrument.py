@@ -24,9 +24,9 @@ import torch
 
 from .records import ReplicaRecord, Shape
 
-# Graph nodes a replica does not own: parameters' AccumulateGrad (shared by all
-# replicas on CPU) and torch's Broadcast (the replicate step on CUDA).
-_FOREIGN_NODES = frozenset({"AccumulateGrad", "BroadcastBackward"})
+# Graph nodes a replica does not own: parameters' AccumulateGrad, and the replicate step:
+# torch's Broadcast on CUDA, dpengine's SharedParameters on CPU.
+_FOREIGN_NODES = frozenset({"AccumulateGrad", "BroadcastBackward", "SharedParametersBackward"})
 # A replica graph walked after every forward: past this many nodes the walk would cost more
 # than it tells, so the walkers stop (the step is left untimed, or summed as autograd does).
 MAX_WALKED_NODES = 20_000
@@ -116,13 +116,36 @@ class BackwardTimer:
         self._cuda_span = _CudaSpan() if device.type == "cuda" else None
         self.done = False
 
-    def attach(self, outputs: Any, boundary: set[Any]) -> bool:
-        """Hook the replica's graph below `outputs`, down to `boundary`; False if it has no node."""
+    @staticmethod
+    def _roots(outputs: list[torch.Tensor], boundary: set[Any]) -> list[Any]:
         roots = []
-        for tensor in tensors_of(outputs):
+        for tensor in outputs:
             node = tensor.grad_fn
             if _owned(node, boundary) and node not in roots:
                 roots.append(node)
+        return roots
+
+    def attach_ending_at(self, outputs: list[torch.Tensor], boundary: set[Any], last: Any) -> bool:
+        """Hook the output nodes and `last`, the node every gradient of the replica ends in.
+
+        For a CPU replica whose inputs need no gradient: its SharedParameters node runs once
+        every node of the replica has (each leads to a parameter), so no walk is needed.
+        """
+        roots = self._roots(outputs, boundary)
+        if not roots:
+            return False
+        for node in roots:
+            node.register_prehook(self._start)
+        last.on_backward = self._last_done  # called by SharedParameters.backward: no hook to register
+        self._frontier_left = 1
+        return True
+
+    def _last_done(self) -> None:
+        self._end(None, None)
+
+    def attach(self, outputs: list[torch.Tensor], boundary: set[Any]) -> bool:
+        """Hook the replica's graph below its output tensors, down to `boundary`; False if it has no node."""
+        roots = self._roots(outputs, boundary)
         if not roots:
             return False
         seen = set(roots)
@@ -193,6 +216,7 @@ class ReplicaProbe:
         self._chunk = 0
         self._input_shapes: tuple[Shape, ...] = ()
         self._output_shapes: tuple[Shape, ...] = ()
+        self._timed = True
 
     def measure(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """fn(*args, **kwargs), timed; in the replica's thread."""
@@ -212,19 +236,34 @@ class ReplicaProbe:
         self._peak = torch.cuda.max_memory_allocated(self.device)
         return output
 
-    def describe(self, args: tuple, kwargs: dict, output: Any, on_backward_done: Callable[[], None]) -> None:
-        """Note shapes and, under grad, hook the replica's graph; in the caller, after the forward."""
+    def describe(self, args: tuple, kwargs: dict, output: Any, on_backward_done: Callable[[], None],
+                 last_node: Any = None) -> None:
+        """Note shapes and, under grad, hook the replica's graph; in the caller, after the forward.
+
+        `last_node`: the replica's SharedParameters node, if it has one (CPU).
+        """
         inputs = tensors_of((args, kwargs))
+        outputs = tensors_of(output)
         self._input_shapes = tuple(tuple(t.shape) for t in inputs)
         self._chunk = inputs[0].size(self.dim) if inputs and inputs[0].dim() > 0 else 0
-        self._output_shapes = shapes_of(output)
+        self._output_shapes = tuple(tuple(t.shape) for t in outputs)
         if self._saved is not None:
             self._memory = self._saved.total
         if torch.is_grad_enabled():
-            boundary = {t.grad_fn for t in inputs}
             timer = BackwardTimer(self.device, on_backward_done)
-            if timer.attach(output, boundary):
+            if last_node is not None and not any(t.requires_grad for t in inputs):
+                # inputs without a gradient have no grad_fn: nothing to stop at but foreign nodes
+                attached = timer.attach_ending_at(outputs, set(), last_node)
+            else:
+                attached = timer.attach(outputs, {t.grad_fn for t in inputs})
+            if attached:
                 self.backward = timer
+
+    def untimed(self, apply_s: float) -> None:
+        """The replica ran outside `measure` (a parallel_apply override): say so, and give it the span."""
+        self._forward_s = apply_s
+        self._timed = False
+        self._cuda_clock = None
 
     def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, on_backward_done) -> Any:
         """measure and describe in one, for a replica run on the caller's own thread."""
@@ -245,6 +284,7 @@ class ReplicaProbe:
             memory_bytes=self._memory,
             peak_memory_bytes=self._peak,
             backward_ms=backward.elapsed_ms() if backward is not None and backward.done else None,
+            forward_timed=self._timed,
         )
 
 

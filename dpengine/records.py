@@ -23,6 +23,9 @@ class ReplicaRecord:
     peak_memory_bytes: int | None = None
     # Time spent in this replica's autograd nodes; None until its backward has run.
     backward_ms: float | None = None
+    # False when a parallel_apply override ran the replica: forward_ms is then the span of the
+    # whole parallel_apply (every replica ran within it) and memory_bytes is 0.
+    forward_timed: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,160 +1,295 @@
 """Replicate a module to each device for one forward.
 
 CUDA: torch's own `replicate` (Broadcast, whose backward reduce-adds the gradients
-onto device_ids[0]). Virtual CPU devices: shallow copies that share the original
-Parameters, so autograd accumulates every replica's gradient straight into them
-(the reduce-add for free) and no weights are copied. Buffers follow torch: replica
-0 shares the original's (BatchNorm statistics persist from the first chunk), the
-others get their own copies, so no two threads update one buffer.
-`sum_gradients_in_place` (after the replicas' forward) lets autograd add the replicas'
-gradients of the big shared parameters into one tensor instead of making a new one.
+onto device_ids[0]). Virtual CPU devices: shallow copies whose parameters are views
+of the original Parameters, made by one autograd function per replica
+(`SharedParameters`: torch's Broadcast without the copy). As in torch, replica
+parameters are non-leaf tensors with a grad_fn, held as plain attributes (so
+`replica.parameters()` is empty and `replica.zero_grad()` only warns), and every
+trainable parameter gets a gradient once the replica's backward runs, zeros for one
+its output did not use. Autograd sums the replicas' gradients into the originals.
+Buffers follow torch: replica 0 shares the original's (BatchNorm statistics persist
+from the first chunk), the others get their own copies, so no two threads update one
+buffer.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.module import (
+    register_module_buffer_registration_hook,
+    register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
+)
 from torch.nn.parallel import replicate as _cuda_replicate
 
-from .instrument import MAX_WALKED_NODES, tensors_of
+from .devices import DeviceLike, parse_device
+
+# Bumped whenever any module registers a parameter, buffer or submodule: a module's structure
+# can only change through one of those, so a plan built at the same generation still holds.
+_generation = [0]
 
 
-def replicate(module: nn.Module, devices: Sequence[torch.device]) -> list[nn.Module]:
-    if devices[0].type == "cuda":
-        return _cuda_replicate(module, list(devices), detach=not torch.is_grad_enabled())
-    return replicate_shared(module, len(devices))
+def _bump(*_: Any) -> None:
+    _generation[0] += 1
 
 
-def replicate_shared(module: nn.Module, count: int) -> list[nn.Module]:
-    """`count` replicas of module that share its parameters (CPU)."""
-    modules = list(module.modules())
-    position = {id(m): i for i, m in enumerate(modules)}
+for _register in (register_module_parameter_registration_hook,
+                  register_module_buffer_registration_hook,
+                  register_module_module_registration_hook):
+    _register(_bump)
+
+
+def structure_generation() -> int:
+    """A number that changes whenever any module's parameters, buffers or submodules change."""
+    return _generation[0]
+
+
+def replicate(network: nn.Module, devices: Sequence[DeviceLike], detach: bool = False) -> list[nn.Module]:
+    """torch.nn.parallel.replicate's signature; also takes virtual CPU devices ("cpu:N")."""
+    if not devices:
+        return []
+    parsed = [parse_device(d) for d in devices]
+    if parsed[0].type == "cuda":
+        return _cuda_replicate(network, [d.index for d in parsed], detach=detach)
+    return replicate_shared(network, len(parsed), detach=detach)
+
+
+class SharedParameters(torch.autograd.Function):
+    """One replica's views of the shared Parameters; their gradients go back to the originals.
+
+    Like torch's Broadcast, its backward runs once any output was used, and hands zeros to
+    the parameters the replica did not use (autograd materializes the missing gradients).
+    """
+
+    @staticmethod
+    def forward(ctx, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(p.view_as(p) for p in params)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        big = ctx.big
+        if big and not torch.is_grad_enabled():  # under create_graph grads must keep their graph
+            grads = list(grads)
+            for i in big:
+                grads[i] = _summable(grads[i])
+        done = ctx.on_backward  # the recorder's "this replica's backward is over", if it set one
+        if done is not None:
+            done()
+        return tuple(grads)
+
+
+# The ctx is the autograd node. Class defaults, so a replica nobody records costs nothing:
+# `big`, the positions of parameters whose gradients are worth summing in place (set per node
+# by replicate_shared); `on_backward`, set by the recorder.
+SharedParameters._backward_cls.big = ()
+SharedParameters._backward_cls.on_backward = None
+
+# Function.apply's Python wrapper first unwraps functorch's dead wrappers in every argument (a
+# pytree walk); the C++ apply under it is a third cheaper, and right unless a functorch
+# transform is active.
+_apply_shared = super(torch.autograd.Function, SharedParameters).apply
+
+
+def _shared_views(params: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    if torch._C._are_functorch_transforms_active():
+        return SharedParameters.apply(*params)
+    return _apply_shared(*params)
+
+
+# Below this many elements the extra tensor is not worth the Python calls that avoid it.
+MIN_SUMMED_ELEMENTS = 1 << 18
+
+
+def _summable(grad: torch.Tensor | None) -> torch.Tensor | None:
+    # Autograd sums the replicas' gradients of a Parameter in place into the first one only if
+    # that one holds its storage alone. A Linear weight's gradient is a view (t() of the
+    # matmul's result) sharing its base's storage, so the first sum was a new tensor: three
+    # weight-sized gradients alive at once where two do. The same storage without the base
+    # lets the first gradient become the running sum. Only whole-storage views: a slice of a
+    # bigger tensor would keep all of it alive as the parameter's .grad.
+    if grad is not None and grad._is_view() and grad._base.numel() == grad.numel():
+        return grad.detach()
+    return grad
+
+
+class ReplicationPlan:
+    """What replicating a module needs that depends only on its structure, built once per structure."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.generation = structure_generation()
+        self.modules = list(module.modules())
+        position = {id(m): i for i, m in enumerate(self.modules)}
+        self.params = list(module.parameters())
+        index = {id(p): i for i, p in enumerate(self.params)}
+        # per module: (attribute, index into params, None for a None entry)
+        self.assignments = [
+            tuple((key, None if p is None else index[id(p)]) for key, p in m._parameters.items())
+            for m in self.modules
+        ]
+        self.children = [
+            tuple((key, None if c is None else position[id(c)]) for key, c in m._modules.items())
+            for m in self.modules
+        ]
+        self.sizes = [(len(m._parameters), len(m._buffers), len(m._modules)) for m in self.modules]
+        self.general = [
+            type(m).__setattr__ is not _MODULE_SETATTR
+            or type(m)._replicate_for_data_parallel is not _MODULE_REPLICATE
+            for m in self.modules
+        ]
+
+    def current(self) -> bool:
+        """Whether the module still has this structure (cheap: no walk of the module tree)."""
+        return self.generation == structure_generation()
+
+    def unchanged_and_on(self, device: torch.device) -> bool:
+        """Every parameter and buffer on `device` (CPU: any virtual device), and no entry deleted.
+
+        One pass over the plan's live dicts: `.to()` shows here, and so does a `del` of a
+        parameter, buffer or submodule (which no registration hook reports).
+        """
+        cuda = device.type == "cuda"
+        for m, size in zip(self.modules, self.sizes):
+            params, buffers = m._parameters, m._buffers
+            if (len(params), len(buffers), len(m._modules)) != size:
+                return False
+            for tensor in itertools.chain(params.values(), buffers.values()):
+                if tensor is not None and (
+                    tensor.device.type != device.type or (cuda and tensor.device != device)
+                ):
+                    raise WrongDevice(tensor.device)
+        return True
+
+
+class WrongDevice(Exception):
+    """A parameter or buffer of the module is not on device_ids[0]."""
+
+    def __init__(self, found: torch.device) -> None:
+        super().__init__(str(found))
+        self.found = found
+
+
+def replicate_shared(
+    module: nn.Module, count: int, plan: ReplicationPlan | None = None, detach: bool = False,
+    nodes: list[Any] | None = None, binders: list[Callable[[], Any]] | None = None,
+) -> list[nn.Module]:
+    """`count` replicas of module whose parameters are views of its own (CPU).
+
+    `nodes`, if given, receives each replica's SharedParameters autograd node (None without one).
+    `binders`, if given, receives instead one function per replica (None without trainable
+    parameters) that makes its views and returns its node: to be called in the thread that runs
+    the replica, before its forward, so that the node's autograd sequence number ranks it with
+    the replica's own nodes (see _bind).
+    """
+    if plan is None or not plan.current():
+        plan = ReplicationPlan(module)
+    params = plan.params
+    differentiable = not detach and torch.is_grad_enabled()
+    trainable = [i for i, p in enumerate(params) if p.requires_grad] if differentiable else []
+    slot = {i: k for k, i in enumerate(trainable)}
+    shared = [params[i] for i in trainable]
+    big = tuple(k for k, p in enumerate(shared) if p.numel() >= MIN_SUMMED_ELEMENTS)
+    base = [p.detach() for p in params] if detach else list(params)
     replicas = []
     for r in range(count):
-        copies = [_copy(m, share_buffers=r == 0) for m in modules]
-        for original, copy in zip(modules, copies):
-            for name, child in original._modules.items():
-                copy._modules[name] = None if child is None else copies[position[id(child)]]
+        copies = [
+            _copy(m, r == 0, assigns, base, general)
+            for m, assigns, general in zip(plan.modules, plan.assignments, plan.general)
+        ]
+        for copy, children in zip(copies, plan.children):
+            modules = copy._modules
+            for name, i in children:
+                modules[name] = None if i is None else copies[i]
         replicas.append(copies[0])
+        if not trainable:
+            if binders is not None:
+                binders.append(None)
+            elif nodes is not None:
+                nodes.append(None)
+            continue
+        targets = [
+            (copy if general else copy.__dict__, general, key, slot[i])
+            for copy, assigns, general in zip(copies, plan.assignments, plan.general)
+            for key, i in assigns if i in slot
+        ]
+        bind = partial(_bind, shared, big, targets)
+        if binders is not None:
+            binders.append(bind)
+        else:
+            node = bind()
+            if nodes is not None:
+                nodes.append(node)
     return replicas
+
+
+def _bind(shared: list[torch.Tensor], big: tuple[int, ...], targets: list[tuple]) -> Any:
+    """Give one replica its views of the shared parameters; returns their autograd node.
+
+    Autograd runs a CPU backward's ready nodes highest sequence number first, and numbers count
+    per thread. Made in the replica's worker just before its forward, the node ranks below the
+    replica's own nodes and above the next replica's (parallel_apply staggers the workers'
+    numbers), so it runs as soon as the replica's gradients are all in and hands them to the
+    parameters. Made in the caller, it could wait behind other replicas' backward, keeping every
+    gradient of its replica alive meanwhile (mlp, 4 replicas: peak RSS 1.03x -> 1.14x of one
+    replica, glibc's mmap threshold fixed).
+    """
+    views = _shared_views(shared)
+    node = views[0].grad_fn
+    if big:
+        node.big = big
+    for target, general, key, k in targets:
+        if general:
+            setattr(target, key, views[k])
+        else:
+            target[key] = views[k]
+    return node
 
 
 _MODULE_SETATTR = nn.Module.__setattr__
 _MODULE_REPLICATE = nn.Module._replicate_for_data_parallel
 
 
-def _copy(module: nn.Module, share_buffers: bool) -> nn.Module:
-    """A shallow replica of `module` alone: its parameters shared, its buffers shared or cloned."""
+def _copy(
+    module: nn.Module, share_buffers: bool, assigns: tuple, values: list[torch.Tensor], general: bool
+) -> nn.Module:
+    """A shallow replica of `module` alone: parameters as plain attributes, buffers shared or cloned."""
     buffers = (
         module._buffers.copy() if share_buffers
         else {name: None if buf is None else buf.clone() for name, buf in module._buffers.items()}
     )
-    kind = type(module)
-    if kind.__setattr__ is not _MODULE_SETATTR or kind._replicate_for_data_parallel is not _MODULE_REPLICATE:
-        # A class that customises either gets the general path, through its own methods.
+    if general:
+        # A class that customises either gets the general path, through its own methods
+        # (RNNBase's __setattr__ keeps its _flat_weights in step, for one).
         copy = module._replicate_for_data_parallel()
-        copy._parameters = dict(module._parameters)
         copy._buffers = buffers
+        for key, i in assigns:
+            if i is None:
+                copy._parameters[key] = None
+            else:
+                # A Parameter would be registered on the copy (and bump the structure
+                # generation): a frozen or no-grad parameter goes in as a plain tensor, as torch's.
+                value = values[i]
+                setattr(copy, key, value.detach() if isinstance(value, nn.Parameter) else value)
         return copy
     # What Module._replicate_for_data_parallel plus the assignments above leave, built in one go:
     # nn.Module.__setattr__ is slow and these keys never hold a parameter, buffer or module.
     state = module.__dict__.copy()
-    state["_parameters"] = dict(module._parameters)
+    parameters = {}
+    for key, i in assigns:
+        if i is None:
+            parameters[key] = None
+        else:
+            state[key] = values[i]
+    state["_parameters"] = parameters
     state["_buffers"] = buffers
     state["_modules"] = module._modules.copy()
     state["_is_replica"] = True
-    copy = module.__new__(kind)
+    copy = module.__new__(type(module))
     object.__setattr__(copy, "__dict__", state)
     return copy
-
-
-# -- summing the replicas' gradients in place (CPU) ------------------------------------------
-
-# Autograd sums the replicas' gradients of a shared Parameter as they arrive, in place into the
-# first one only if it holds that tensor's storage alone. A Linear's weight gradient is a view
-# (t() of the matmul's result) whose base shares the storage, so the first sum was a new tensor:
-# three weight-sized gradients alive at once where two do. Handing autograd `grad.detach()` (the
-# same storage, without the base) lets the first gradient become the running sum. mlp, 4
-# replicas: the backward's allocation peak +52.6 -> +37.1 MiB (1 replica: +22.1 MiB); bench 6
-# peak RSS 1.15-1.16x -> 1.06-1.11x of 1 replica (median 1.09x, 5 runs). The walk and the hooks
-# cost about 0.3 ms a step there (4 replicas, 8 hooked nodes), so only parameters of at least
-# MIN_SUMMED_BYTES take part: for smaller ones the extra tensor is not worth a Python call.
-MIN_SUMMED_BYTES = 1 << 20
-_ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad
-
-
-def sum_gradients_in_place(
-    module: nn.Module, outputs: Sequence[Any], args: Sequence[Any], kwargs: Sequence[Any]
-) -> int:
-    """Let autograd sum the replicas' gradients of `module`'s big parameters in place (CPU).
-
-    Call after the forward of replicas that share `module`'s Parameters (`replicate_shared`):
-    `outputs[i]`, `args[i]` and `kwargs[i]` are replica i's output and inputs. Hooks each node
-    of the replicas' graphs that hands a gradient to one of those parameters, so that it hands
-    on a tensor autograd may add into; returns how many nodes it hooked. Gradients keep their
-    values; under `create_graph` (grad mode on in the backward) the hooks do nothing.
-    """
-    if len(outputs) < 2 or not torch.is_grad_enabled():
-        return 0
-    big = {
-        id(p) for p in module.parameters()
-        if p.requires_grad and p.numel() * p.element_size() >= MIN_SUMMED_BYTES
-    }
-    if not big:
-        return 0
-    hooked = 0
-    seen: set[Any] = set()
-    for output, replica_args, replica_kwargs in zip(outputs, args, kwargs):
-        # The walk stops at the replica's inputs: the graph above them (the scatter, the
-        # caller's own) is not the replica's.
-        boundary = {t.grad_fn for t in tensors_of((replica_args, replica_kwargs))}
-        stack = []
-        for tensor in tensors_of(output):
-            node = tensor.grad_fn
-            if node is not None and node not in boundary and node not in seen:
-                seen.add(node)
-                stack.append(node)
-        while stack:
-            node = stack.pop()
-            positions = []
-            for position, (child, _) in enumerate(node.next_functions):
-                if child is None or child in boundary:
-                    continue
-                if type(child) is _ACCUMULATE_GRAD:
-                    if id(child.variable) in big:
-                        positions.append(position)
-                elif child not in seen:
-                    seen.add(child)
-                    stack.append(child)
-            if positions:
-                node.register_hook(_detach_hook(tuple(positions)))
-                hooked += 1
-            if len(seen) > MAX_WALKED_NODES:
-                return hooked  # too big to walk every step: the rest is summed as before
-    return hooked
-
-
-_DETACH_HOOKS: dict[tuple[int, ...], Callable] = {}
-
-
-def _detach_hook(positions: tuple[int, ...]) -> Callable:
-    """A node post-hook handing on its gradients at `positions` without their views' bases."""
-    hook = _DETACH_HOOKS.get(positions)
-    if hook is None:
-        def hook(grad_inputs, grad_outputs):
-            if torch.is_grad_enabled():  # create_graph: the gradients must keep their graph
-                return None
-            grads = None
-            for i in positions:
-                grad = grad_inputs[i]
-                if grad is not None and grad._is_view():
-                    if grads is None:
-                        grads = list(grad_inputs)
-                    grads[i] = grad.detach()
-            return None if grads is None else tuple(grads)
-
-        hook = _DETACH_HOOKS.setdefault(positions, hook)
-    return hook

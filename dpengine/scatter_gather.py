@@ -50,9 +50,27 @@ class Split:
         self.device_count = device_count
         self.chunk_sizes = chunk_sizes
         self.weights = weights
+        # Plans by batch size, for the chunk_sizes and weights they were made from.
+        self._plans: dict[int, list[tuple[int, int]]] = {}
+        self._planned_for: tuple[Any, Any] = (chunk_sizes, weights)
+
+    # A dataset's last batch adds a size; the cap keeps an ever-changing size from growing it.
+    MAX_CACHED_PLANS = 64
 
     def plan(self, rows: int) -> list[tuple[int, int]]:
-        """(device slot, rows) for each replica that gets a chunk, in slot order."""
+        """(device slot, rows) for each replica that gets a chunk, in slot order (do not change it)."""
+        if self._planned_for[0] is not self.chunk_sizes or self._planned_for[1] is not self.weights:
+            self._plans.clear()  # someone set new sizes or weights on this Split
+            self._planned_for = (self.chunk_sizes, self.weights)
+        plan = self._plans.get(rows)
+        if plan is None:
+            plan = self._plan(rows)
+            if len(self._plans) >= self.MAX_CACHED_PLANS:
+                self._plans.clear()
+            self._plans[rows] = plan
+        return plan
+
+    def _plan(self, rows: int) -> list[tuple[int, int]]:
         if self.chunk_sizes is not None:
             if sum(self.chunk_sizes) != rows:
                 raise ValueError(
@@ -157,7 +175,33 @@ def scatter_kwargs(
         # torch: no inputs at all run once on the first device; other objects go to every device.
         count = 1 if not inputs and not kwargs else len(devices)
         return [inputs] * count, [kwargs] * count, list(range(count))
+    plan, chunks = _split_all(tensors, devices, split, dim)
+    per_replica = _build((inputs, kwargs), iter(chunks), len(plan))
+    return (
+        [args for args, _ in per_replica],
+        [kw for _, kw in per_replica],
+        [slot for slot, _ in plan],
+    )
 
+
+def scatter(inputs: Any, target_gpus: Sequence[torch.device], dim: int = 0) -> Any:
+    """torch.nn.parallel.scatter: one piece of `inputs` per device (a tuple of chunks for a tensor).
+
+    Devices that would get no rows get no piece, as with torch.chunk.
+    """
+    tensors = _tensors_in(inputs)
+    if not tensors:
+        return [inputs] * len(target_gpus)
+    _, chunks = _split_all(tensors, target_gpus, Split(len(target_gpus)), dim)
+    if isinstance(inputs, torch.Tensor):
+        return tuple(chunks[0])
+    return _build(inputs, iter(chunks), len(chunks[0]))
+
+
+def _split_all(
+    tensors: list[torch.Tensor], devices: Sequence[torch.device], split: Split, dim: int
+) -> tuple[list[tuple[int, int]], list[tuple[torch.Tensor, ...]]]:
+    """The plan of the first tensor, and every tensor cut into that many chunks."""
     rows = [_row_count(tensor, dim) for tensor in tensors]
     plan = split.plan(rows[0])
     for tensor in tensors[1:]:
@@ -171,15 +215,9 @@ def scatter_kwargs(
             )
     chunks = []
     for tensor in tensors:
-        rows = tensor.size(dim)
-        tensor_plan = plan if rows == tensors[0].size(dim) else split.plan(rows)
+        tensor_plan = plan if tensor.size(dim) == rows[0] else split.plan(tensor.size(dim))
         chunks.append(_split_tensor(tensor, tensor_plan, devices, dim))
-    per_replica = _build((inputs, kwargs), iter(chunks), len(plan))
-    return (
-        [args for args, _ in per_replica],
-        [kw for _, kw in per_replica],
-        [slot for slot, _ in plan],
-    )
+    return plan, chunks
 
 
 _SCALAR_WARNING = (

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import sys
 import threading
 from collections import OrderedDict, namedtuple
 
@@ -13,8 +14,9 @@ from torch import nn
 
 import dpengine
 from dpengine import DataParallel
-from dpengine import data_parallel, replicate as rep
 from dpengine.replicate import replicate_shared
+
+rep = sys.modules["dpengine.replicate"]  # `dpengine.replicate` is the function, as in torch
 
 Out = namedtuple("Out", ["logits", "norm"])
 DEVICE_COUNTS = [1, 2, 3, 4]
@@ -545,52 +547,35 @@ def test_replicas_do_not_keep_python_attribute_changes(make_dp) -> None:
 def _replica_forward(module: nn.Module, x: torch.Tensor, count: int):
     chunks = x.chunk(count)
     replicas = replicate_shared(module, len(chunks))
-    outputs = [replica(chunk) for replica, chunk in zip(replicas, chunks)]
-    return outputs, [(chunk,) for chunk in chunks], [{} for _ in chunks]
+    return [replica(chunk) for replica, chunk in zip(replicas, chunks)]
 
 
 @pytest.mark.parametrize("summed", [False, True])
 def test_replica_gradients_of_a_shared_weight_are_summed_in_place(monkeypatch, summed: bool) -> None:
-    monkeypatch.setattr(rep, "MIN_SUMMED_BYTES", 0)
+    if summed:  # a weight this small is left to autograd unless the threshold says otherwise
+        monkeypatch.setattr(rep, "MIN_SUMMED_ELEMENTS", 0)
     torch.manual_seed(6)
     lin = nn.Linear(6, 5)
     plain = copy.deepcopy(lin)
     x = torch.randn(8, 6)
-    outputs, args, kwargs = _replica_forward(lin, x, 4)
-    if summed:
-        # weight through TBackward0, bias through AddmmBackward0: two nodes a replica
-        assert rep.sum_gradients_in_place(lin, outputs, args, kwargs) == 8
-    # Where each replica's weight gradient lies, as autograd receives it (after the hooks above).
+    outputs = _replica_forward(lin, x, 4)
+    # Where each replica's weight gradient lies, as autograd hands it to the parameter.
     arrived: list[int] = []
     for out in outputs:
-        (transpose,) = [n for n, _ in out.grad_fn.next_functions if type(n).__name__ == "TBackward0"]
-        transpose.register_hook(lambda grad_inputs, _: arrived.append(grad_inputs[0].data_ptr()))
+        (share,) = [n for n, _ in out.grad_fn.next_functions if type(n).__name__ == "TBackward0"]
+        while type(share).__name__ != "SharedParametersBackward":
+            share = share.next_functions[0][0]
+        share.register_hook(lambda grad_inputs, _: arrived.append(grad_inputs[0].data_ptr()))
     torch.cat(outputs).pow(2).sum().backward()
     plain(x).pow(2).sum().backward()
     assert_grads_equal(plain, lin)
     assert len(arrived) == 4
-    # Summed in place: the first gradient to arrive became the sum. Otherwise autograd made a
-    # new tensor for the first sum (three weight-sized tensors at once) and added the rest to it.
+    # Summed in place: the first gradient to arrive became the sum, instead of autograd making
+    # a new tensor for the first sum (three weight-sized tensors alive at once).
     assert (lin.weight.grad.data_ptr() in arrived) is summed
 
 
-def test_summing_in_place_is_left_out_where_it_cannot_matter() -> None:
-    lin = nn.Linear(6, 5)  # far below MIN_SUMMED_BYTES
-    outputs, args, kwargs = _replica_forward(lin, torch.randn(8, 6), 4)
-    assert rep.sum_gradients_in_place(lin, outputs, args, kwargs) == 0
-    big = nn.Linear(512, 512, bias=False)  # 1 MiB of float32
-    assert big.weight.numel() * big.weight.element_size() >= rep.MIN_SUMMED_BYTES
-    outputs, args, kwargs = _replica_forward(big, torch.randn(4, 512), 1)
-    assert rep.sum_gradients_in_place(big, outputs, args, kwargs) == 0  # one replica: nothing to sum
-    with torch.no_grad():
-        outputs, args, kwargs = _replica_forward(big, torch.randn(4, 512), 2)
-        assert rep.sum_gradients_in_place(big, outputs, args, kwargs) == 0
-    outputs, args, kwargs = _replica_forward(big, torch.randn(4, 512), 2)
-    assert rep.sum_gradients_in_place(big, outputs, args, kwargs) == 2
-
-
-def test_summing_in_place_stops_at_the_replica_inputs_and_keeps_double_backward(monkeypatch) -> None:
-    monkeypatch.setattr(rep, "MIN_SUMMED_BYTES", 0)
+def test_replica_gradients_keep_double_backward_through_the_callers_use_of_the_weight() -> None:
     torch.manual_seed(7)
     lin = nn.Linear(4, 4, bias=False)
     plain = copy.deepcopy(lin)
@@ -599,13 +584,7 @@ def test_summing_in_place_stops_at_the_replica_inputs_and_keeps_double_backward(
     def loss_of(module: nn.Module, replicas: int | None) -> torch.Tensor:
         xi = x.clone().requires_grad_(True)
         h = module(xi)  # the caller's graph above the replicas uses the same weight
-        if replicas is None:
-            out = module(h)
-        else:
-            outputs, args, kwargs = _replica_forward(module, h, replicas)
-            # one node a replica: the caller's own use of the weight is not the replicas'
-            assert rep.sum_gradients_in_place(module, outputs, args, kwargs) == replicas
-            out = torch.cat(outputs)
+        out = module(h) if replicas is None else torch.cat(_replica_forward(module, h, replicas))
         (grad_x,) = torch.autograd.grad(out.pow(2).sum(), xi, create_graph=True)
         return out.sum() + grad_x.pow(2).sum()
 
@@ -614,16 +593,28 @@ def test_summing_in_place_stops_at_the_replica_inputs_and_keeps_double_backward(
     assert_grads_equal(plain, lin)
 
 
-def test_dataparallel_sums_shared_gradients_in_place_on_cpu(make_dp, monkeypatch) -> None:
-    monkeypatch.setattr(rep, "MIN_SUMMED_BYTES", 0)
-    hooked: list[int] = []
-    monkeypatch.setattr(data_parallel, "sum_gradients_in_place",
-                        lambda *a: hooked.append(rep.sum_gradients_in_place(*a)) or hooked[-1])
-    torch.manual_seed(8)
-    lin = nn.Linear(6, 5)
-    plain = copy.deepcopy(lin)
-    x = torch.randn(8, 6)
-    make_dp(lin, cpus(4))(x).sum().backward()
-    plain(x).sum().backward()
-    assert hooked == [8]  # weight and bias nodes of four replicas
-    assert_grads_equal(plain, lin)
+def test_each_replica_hands_its_gradients_to_the_parameters_before_the_next_replica_starts(make_dp) -> None:
+    # The replicas' SharedParameters nodes are made in their workers, so each runs as soon as
+    # its replica's gradients are in: never are two replicas' weight gradients alive at once.
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    dp = make_dp(model, cpus(3))
+    for _ in range(3):  # the callers' own autograd numbers grow meanwhile, as in training
+        model(torch.randn(5, 4)).sum().backward()
+        out = dp(torch.randn(9, 4))
+        order: list[tuple[str, int]] = []
+        for replica, (output_node, _) in enumerate(out.grad_fn.next_functions):
+            output_node.register_prehook(lambda _, r=replica: order.append(("start", r)))
+            stack, seen = [output_node], set()
+            while stack:
+                node = stack.pop()
+                if type(node).__name__ == "SharedParametersBackward":
+                    node.register_prehook(lambda _, r=replica: order.append(("share", r)))
+                    continue
+                for child, _ in node.next_functions:
+                    if child is not None and child not in seen:
+                        seen.add(child)
+                        stack.append(child)
+        out.sum().backward()
+        assert len(order) == 6
+        assert [kind for kind, _ in order] == ["start", "share"] * 3
+        assert all(order[i][1] == order[i + 1][1] for i in range(0, 6, 2))

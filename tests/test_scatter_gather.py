@@ -357,3 +357,12 @@ def test_gather_warning_is_only_for_dim_0() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         gather(parts, CPU)  # no warning for ordinary tensors
+
+
+def test_split_plans_are_made_once_per_batch_size_and_follow_new_sizes() -> None:
+    split = Split(3)
+    first = split.plan(10)
+    assert split.plan(10) is first and first == [(0, 4), (1, 4), (2, 2)]
+    assert split.plan(6) == [(0, 2), (1, 2), (2, 2)]
+    split.chunk_sizes = [1, 1, 8]  # a new explicit split on the same object
+    assert split.plan(10) == [(0, 1), (1, 1), (2, 8)]
