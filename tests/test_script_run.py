@@ -144,11 +144,14 @@ def test_on_gpus_the_example_script_is_recorded_per_gpu():
     assert {s["device"] for s in samples} == set(gpus) and all(s["name"] != "virtual" for s in samples)
 
 
-@pytest.mark.xfail(strict=True, reason="needs engine's overridable scatter")
-def test_a_subclass_that_overrides_scatter_is_called():
-    done = dptui("--headless", "--no-telemetry", script("scatter_override.py"))
+def test_a_subclass_that_overrides_scatter_is_called_and_recorded_as_it_split():
+    done = dptui("--headless", "--no-telemetry", "--devices", "cpu:0,cpu:1", script("scatter_override.py"))
     assert done.returncode == 0, done.stderr
     assert done.stdout == "scatter calls: [2]\n"
+    done = dptui("--headless", "--json", "--no-telemetry", "--devices", "cpu:0,cpu:1", script("scatter_override.py"))
+    (step,) = of_type(json_events(done.stdout), "step")
+    # The record shows the override's 2/8, not torch.chunk's 5/5.
+    assert [(r["device"], r["chunk_size"]) for r in step["replicas"]] == [("cpu:0", 2), ("cpu:1", 8)]
 
 
 # -- the run contract the UI drives ---------------------------------------------------
