@@ -180,3 +180,22 @@ def describe_split(split: Split | None) -> tuple[str, tuple[float, ...], bool]:
     weights = tuple(w / total for w in split.weights)
     by_balancer = isinstance(split, BalancedSplit) and split.by_balancer
     return ("auto" if by_balancer else "weights"), weights, by_balancer
+
+
+Balance = str | tuple[float, ...]  # "even", "auto", or one weight per device
+
+
+def split_options(balance: Balance) -> dict:
+    """DataParallel/set_split keyword arguments for a `parse_balance` value."""
+    if isinstance(balance, str):
+        return {"balance": balance}
+    return {"balance": "weighted", "weights": list(balance)}
+
+
+def balance_name(balance: Balance) -> str:
+    return balance if isinstance(balance, str) else "weights"
+
+
+def normalized(weights: Sequence[float]) -> tuple[float, ...]:
+    total = sum(weights)
+    return tuple(w / total for w in weights)

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .balance import Balance, balance_name, normalized, split_options
 from .data_parallel import DataParallel
 from .devices import DeviceLike, available_devices, device_name, resolve_devices
 from .events import (
@@ -23,6 +24,7 @@ from .events import (
     RunFailed,
     RunFinished,
     RunStarted,
+    SplitChanged,
     StateChanged,
     TelemetrySampled,
 )
@@ -57,6 +59,7 @@ class Trainer(TrainerBase):
         available: Sequence[DeviceLike] | None = None,
         checkpoint: str | os.PathLike | None = None,
         resume: str | os.PathLike | None = None,
+        balance: Balance = "even",
     ) -> None:
         self.workload = workload
         self._devices = resolve_devices(devices)
@@ -70,6 +73,9 @@ class Trainer(TrainerBase):
         self._wanted_batch: int | None = None
         self._wanted_devices: list[torch.device] | None = None
         self._dp: DataParallel | None = None
+        self._balance = self._fitting(balance, len(self._devices))
+        self._wanted_balance: Balance | None = None
+        self._split_weights: tuple[float, ...] = ()  # the weights of the last step, to see changes
 
     # -- steering, from any thread (pause/resume/stop: TrainerBase) -------------
 
@@ -90,6 +96,22 @@ class Trainer(TrainerBase):
         with self._lock:
             self._wanted_devices = resolved
 
+    def set_balance(self, balance: Balance) -> None:
+        """"even", "auto" or one weight per device, from the next step on."""
+        balance = self._fitting(balance, len(self._devices))
+        with self._lock:
+            self._wanted_balance = balance
+
+    @property
+    def balance(self) -> Balance:
+        return self._balance
+
+    @staticmethod
+    def _fitting(balance: Balance, count: int) -> Balance:
+        if not isinstance(balance, str) and len(balance) != count:
+            raise ValueError(f"{len(balance)} weights for {count} devices: give one per device")
+        return balance
+
     @property
     def devices(self) -> tuple[str, ...]:
         return tuple(device_name(d) for d in self._devices)
@@ -100,7 +122,7 @@ class Trainer(TrainerBase):
 
     @property
     def has_pending_change(self) -> bool:
-        return self._wanted_batch is not None or self._wanted_devices is not None
+        return any(w is not None for w in (self._wanted_batch, self._wanted_devices, self._wanted_balance))
 
     def worker_thread_ids(self) -> dict[str, int]:
         dp = self._dp
@@ -153,7 +175,9 @@ class Trainer(TrainerBase):
             # The saved optimizer state brings its own lr; an explicit --lr wins.
             run.restore(self._saved, model, optimizer, lr=self.lr if self._explicit_lr else None)
             move_optimizer_state(optimizer, self._devices[0])
-        self._dp = DataParallel(model, self._devices)
+        self._dp = DataParallel(model, self._devices, **split_options(self._balance))
+        if self._balance != "even":
+            self._publish_split(run.step + 1)
         dataset = self.workload.dataset
         samples = len(dataset)
         stopped = False
@@ -188,8 +212,12 @@ class Trainer(TrainerBase):
                     self._publish(StateChanged("running"))
             if self._stop:
                 return False
-            batch, devices = self._wanted_batch, self._wanted_devices
-            self._wanted_batch = self._wanted_devices = None
+            batch, devices, balance = self._wanted_batch, self._wanted_devices, self._wanted_balance
+            self._wanted_batch = self._wanted_devices = self._wanted_balance = None
+        if balance is not None and (devices is None or devices == self._devices):
+            self._balance = balance
+            self._dp.set_split(**split_options(balance))
+            self._publish_split(self._run.step + 1)
         if batch is None and devices is None:
             return True
         if batch is not None:
@@ -205,7 +233,12 @@ class Trainer(TrainerBase):
             move_optimizer_state(optimizer, devices[0])
         self._dp.close()
         self._devices = devices
-        self._dp = DataParallel(self.workload.model, devices)
+        if not isinstance(self._balance, str) and len(self._balance) != len(devices):
+            self._balance = "even"  # the weights were for the old devices
+            self._publish_split(self._run.step + 1)
+        elif self._balance == "auto":
+            self._publish_split(self._run.step + 1)  # a fresh balancer starts from an even split
+        self._dp = DataParallel(self.workload.model, devices, **split_options(self._balance))
 
     def _step(self, dataset, indices: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
         run = self._run
@@ -222,14 +255,24 @@ class Trainer(TrainerBase):
         loss_value = loss.item()
         seconds = time.perf_counter() - step_started
         run.after_step(len(indices), loss_value)
+        record = self._dp.last_step
+        if record is not None and record.balanced and record.split_weights != self._split_weights:
+            self._split_weights = record.split_weights
+            self._publish(SplitChanged(run.step, "auto", record.split_weights, by_balancer=True))
         self._publish(
             run.step_event(
                 len(indices), loss_value, samples=len(dataset), batch_size=self._batch_size, seconds=seconds,
                 input_shape=tuple(inputs.shape) if isinstance(inputs, torch.Tensor) else (),
                 output_shape=tuple(output.shape) if isinstance(output, torch.Tensor) else (),
-                record=self._dp.last_step,
+                record=record,
             )
         )
+
+    def _publish_split(self, step: int) -> None:
+        balance = self._balance
+        weights = () if isinstance(balance, str) else normalized(balance)
+        self._split_weights = weights
+        self._publish(SplitChanged(step, balance_name(balance), weights))
 
     def _move_model(self, device: torch.device) -> None:
         self.workload.model.to(device if device.type == "cuda" else "cpu")

@@ -65,3 +65,10 @@ def loss(value: float | None) -> str:
     if not math.isfinite(value):
         return str(value)  # nan / inf: say so, it is the news
     return f"{value:.4f}" if abs(value) < 1000 else f"{value:.3g}"
+
+
+def split(balance: str, weights: tuple[float, ...], by_balancer: bool) -> str:
+    """A SplitChanged in words: "auto, balancer: 40/40/20%" or "even"."""
+    shares = "/".join(f"{100 * w:.0f}" for w in weights)
+    who = ", balancer" if by_balancer else ""
+    return f"{balance}{who}: {shares}%" if weights else balance

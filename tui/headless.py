@@ -13,9 +13,12 @@ from dpengine.events import (
     RunFailed,
     RunFinished,
     RunStarted,
+    SplitChanged,
     StateChanged,
     StepFinished,
 )
+
+from . import format as fmt
 
 
 def torch_size(shape: tuple[int, ...]) -> str:
@@ -74,6 +77,8 @@ class TextPrinter:
             ]
         if isinstance(event, ConfigChanged):
             return [f"from step {event.step}: batch {event.batch_size} on {', '.join(event.devices)}"]
+        if isinstance(event, SplitChanged):
+            return [f"from step {event.step}: split {fmt.split(event.balance, event.weights, event.by_balancer)}"]
         if isinstance(event, StateChanged):
             return [event.state]
         if isinstance(event, RunFinished):
