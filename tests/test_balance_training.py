@@ -101,3 +101,43 @@ def test_cli_bad_balance_is_one_line_and_exit_2(capsys, value, fragment):
     err = capsys.readouterr().err
     assert code == EXIT_USAGE
     assert err.count("\n") == 1 and fragment in err and "Traceback" not in err
+
+
+# -- the DDP backend ---------------------------------------------------------------------------
+
+
+def _ddp_run(balance, model: str = SLOW, epochs: int = 2) -> list:
+    from dpengine.distributed import DdpTrainer, WorkloadSpec
+
+    trainer = DdpTrainer(WorkloadSpec(model, seed=1), THREE, seed=1, epochs=epochs,
+                         telemetry_interval=None, balance=balance)
+    events = run(trainer)
+    assert not [e for e in events if type(e).__name__ == "RunFailed"], events[-1]
+    return events
+
+
+def test_ddp_weights_cut_as_the_threaded_backend_and_train_alike():
+    ddp = _ddp_run((2.0, 1.0, 1.0), model="seed", epochs=1)
+    threaded = run(Trainer(builtin_workload("seed", 1), THREE, seed=1, telemetry_interval=None,
+                           balance=(2.0, 1.0, 1.0)))
+    ddp_steps = [e for e in ddp if isinstance(e, StepFinished)]
+    dp_steps = [e for e in threaded if isinstance(e, StepFinished)]
+    assert [s.record.chunk_sizes for s in ddp_steps] == [s.record.chunk_sizes for s in dp_steps]
+    assert ddp_steps[0].record.chunk_sizes == (15, 8, 7)
+    assert [s.loss for s in ddp_steps] == pytest.approx([s.loss for s in dp_steps], abs=1e-5)
+
+
+def test_ddp_auto_balance_gives_every_rank_the_same_split_and_the_same_loss_curve():
+    events = _ddp_run("auto")
+    steps = [e for e in events if isinstance(e, StepFinished)]
+    changes = [e for e in events if isinstance(e, SplitChanged) and e.by_balancer]
+    assert changes, "the balancer never moved"
+    last = steps[-2].record
+    assert last.balanced and sum(last.chunk_sizes) == 60
+    # rank 2 is twice as slow per row: it ends with fewer rows than either other rank.
+    assert last.chunk_sizes[2] < min(last.chunk_sizes[:2])
+    # The ranks agreed on every split (a disagreement would have failed the run or lost rows),
+    # and the loss curve is the threaded even split's: the split never changes the gradients.
+    even = run(Trainer(slow_device_workload(1), THREE, seed=1, epochs=2, telemetry_interval=None))
+    assert [s.loss for s in steps] == pytest.approx(
+        [e.loss for e in even if isinstance(e, StepFinished)], abs=1e-5)

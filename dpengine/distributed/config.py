@@ -57,6 +57,7 @@ class RankConfig:
     store: tuple[str, int] | None = None  # the host's TCPStore (spawned ranks); None under torchrun
     store_prefix: str = ""  # this generation's keys on it
     torchrun: bool = False  # each rank's own device is cuda:LOCAL_RANK (names may differ)
+    balance: str | tuple[float, ...] = "even"  # how global batches are cut: even, auto, weights
 
     @property
     def world_size(self) -> int:

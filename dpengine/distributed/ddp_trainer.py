@@ -3,7 +3,10 @@
 Every rank walks the same shuffled order of global batches (`torch.randperm` seeded by the
 run's seed and the epoch, as `Trainer`) and takes its chunk of each global batch by
 torch.chunk's rule (`even_sizes`), so rank r gets what replica r gets in the threaded
-backend. A rank's loss is its chunk's loss times world_size * chunk / batch: DDP averages
+backend; with `balance` weights, or auto-balance (every rank feeds its own copy of the
+deterministic `Balancer` the same all-gathered rows and forward times, so all derive the same
+weights), the chunks follow `balanced_sizes` / `weighted_sizes` as DataParallel's. A rank's
+loss is its chunk's loss times world_size * chunk / batch: DDP averages
 gradients over ranks, so the result is the gradient of the whole batch's mean loss, as the
 threaded backend computes it (for a loss that is a mean over rows, as every built-in
 one is). A rank left without a chunk (batch 2 on 3 ranks) runs its model on zero rows and
@@ -36,11 +39,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from ..balance import Balance, Balancer, balance_name, balanced_sizes, normalized
 from ..devices import device_name, parse_device
-from ..events import ConfigChanged, RunFinished, StateChanged, TelemetrySampled
+from ..events import ConfigChanged, RunFinished, SplitChanged, StateChanged, TelemetrySampled
 from ..instrument import ReplicaProbe, tensors_of
 from ..records import StepRecord
-from ..scatter_gather import even_sizes
+from ..scatter_gather import even_sizes, weighted_sizes
 from ..telemetry.sample import DeviceSample
 from ..trainer_base import (
     RunState,
@@ -93,12 +97,17 @@ class RankLoop:
         self._stop = config.stop
         self._wanted_batch: int | None = None
         self._wanted_devices: tuple[str, ...] | None = None
+        self._wanted_balance: Balance | None = None
         self._seen_seq = 0
         self._acked = 0
         self._announced_pause = False
         self._awaiting: int | None = None  # the step the host has not yet published
         self._last_sample = -math.inf
         self._telemetry = None
+        balance = config.balance
+        if not isinstance(balance, str) and len(balance) != self.world:
+            balance = "even"  # weights for another set of devices
+        self._set_balance(balance)
         for command in config.commands:
             self._apply(command)
 
@@ -195,6 +204,8 @@ class RankLoop:
         samples = len(dataset)
         epochs = self.cfg.epochs
         stopped = False
+        if self._balance != "even" or self.cfg.balance != "even":
+            self._announce_split(run.step + 1)
         while epochs is None or run.epoch < epochs or run.position > 0:
             if run.position == 0:
                 run.begin_epoch()
@@ -239,6 +250,9 @@ class RankLoop:
                 self._gather_samples()
         if "batch" in decision:
             self.batch = decision["batch"]
+        if "balance" in decision:
+            self._set_balance(decision["balance"])
+            self._announce_split(self.run_state.step + 1)
         return decision
 
     def _decide(self) -> dict:
@@ -263,11 +277,15 @@ class RankLoop:
         if self._stop:
             return {"action": "stop"}
         self._acked = self._seen_seq
-        batch, devices = self._wanted_batch, self._wanted_devices
-        self._wanted_batch = self._wanted_devices = None
+        batch, devices, balance = self._wanted_batch, self._wanted_devices, self._wanted_balance
+        self._wanted_batch = self._wanted_devices = self._wanted_balance = None
         if devices is not None and devices != self.devices:
+            if balance is not None:
+                self._send("event", SplitChanged(self.run_state.step + 1, balance_name(balance), _weights_of(balance)))
             return {"action": "restart", "devices": devices, "batch": batch or self.batch}
         decision: dict[str, Any] = {"action": "step", "telemetry": self._sample_due()}
+        if balance is not None:
+            decision["balance"] = balance
         if batch is not None or devices is not None:
             decision["batch"] = batch or self.batch
             self._send("event", ConfigChanged(decision["batch"], self.devices, self.run_state.step + 1))
@@ -301,6 +319,9 @@ class RankLoop:
         elif kind == "devices":
             self._wanted_devices = tuple(command[1])
             self._seen_seq = max(self._seen_seq, command[2])
+        elif kind == "balance":
+            self._wanted_balance = command[1]
+            self._seen_seq = max(self._seen_seq, command[2])
         elif kind == "published":
             if self._awaiting is not None and command[1] >= self._awaiting:
                 self._awaiting = None
@@ -319,7 +340,8 @@ class RankLoop:
         run = self.run_state
         started = time.perf_counter()
         rows = len(indices)
-        sizes = even_sizes(rows, self.world)
+        sizes = self._sizes(rows)
+        split, weights, balanced = self._split_kind()
         mine = sizes[self.rank] if self.rank < len(sizes) else 0
         first = sum(sizes[: self.rank])
         if mine:
@@ -345,6 +367,7 @@ class RankLoop:
         backward_done = time.perf_counter()
         self.optimizer.step()
         share = loss.item() * mine / rows if loss is not None else 0.0
+        plan = self._observe(sizes, (forward_done - loaded) * 1000.0) if self._balancer is not None else None
 
         sample = self._sample() if decision.get("telemetry") else None
         payload = {
@@ -380,7 +403,11 @@ class RankLoop:
             gather_ms=gather_ms,  # the records reaching rank 0
             total_ms=(forward_done - started) * 1000.0,
             backward_ms=max(p["backward_ms"] for p in gathered),  # with the gradient all-reduce
+            split=split, split_weights=weights, balanced=balanced,
+            even_ms=plan.even_ms if plan is not None else None,
         )
+        if plan is not None and plan.changed:
+            self._send("event", SplitChanged(run.step + 1, "auto", plan.weights, by_balancer=True))
         self._send(
             "event",
             run.step_event(
@@ -392,6 +419,47 @@ class RankLoop:
         samples = tuple(p["sample"] for p in gathered if p["sample"] is not None)
         if samples:
             self._send("event", TelemetrySampled(samples))
+
+    # -- how global batches are cut -----------------------------------------------------
+
+    def _set_balance(self, balance: Balance) -> None:
+        self._balance = balance
+        self._weights = _weights_of(balance)  # () while torch's even rule cuts
+        self._by_balancer = False
+        self._balancer = Balancer(self.world) if balance == "auto" and self.world > 1 else None
+
+    def _announce_split(self, step: int) -> None:
+        self._send("event", SplitChanged(step, balance_name(self._balance), self._weights))
+
+    def _sizes(self, rows: int) -> list[int]:
+        """Every rank's rows of this global batch: the same rule as DataParallel's split."""
+        if not self._weights:
+            return even_sizes(rows, self.world)
+        if self._by_balancer:
+            return balanced_sizes(rows, self._weights, self._balancer.min_rows)
+        return weighted_sizes(rows, self._weights)
+
+    def _split_kind(self) -> tuple[str, tuple[float, ...], bool]:
+        if not self._weights:
+            return "even", (), False
+        return ("auto", self._weights, True) if self._by_balancer else ("weights", self._weights, False)
+
+    def _observe(self, sizes: list[int], forward_ms: float):
+        """Feed every rank's rows and forward time to this rank's balancer (all ranks alike).
+
+        Forward only: a rank's backward includes waiting in the gradient all-reduce for the
+        slowest rank, which would make every rank look as slow as that one.
+        """
+        own = torch.tensor([forward_ms], dtype=torch.float64)
+        if self.cfg.backend == "nccl":
+            own = own.to(self.device)
+        times = [torch.zeros_like(own) for _ in range(self.world)]
+        dist.all_gather(times, own)
+        rows = list(sizes) + [0] * (self.world - len(sizes))
+        plan = self._balancer.observe(rows, [float(t.item()) for t in times])
+        if plan is not None and plan.changed:
+            self._weights, self._by_balancer = plan.weights, True
+        return plan
 
     # -- device changes: hand the state to the next generation -------------------------
 
@@ -505,6 +573,10 @@ def _own_device(config: RankConfig, rank: int, local_rank: int | None) -> torch.
             return torch.device("cuda", local_rank if local_rank is not None else 0)
         return parse_device(config.devices[rank])
     return torch.device("cpu", rank)
+
+
+def _weights_of(balance: Balance) -> tuple[float, ...]:
+    return () if isinstance(balance, str) else normalized(balance)
 
 
 def _nothing() -> None:

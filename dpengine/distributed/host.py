@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..balance import Balance
 from ..devices import DeviceLike, available_devices, device_name, resolve_devices
 from ..events import (
     ConfigChanged,
@@ -38,6 +39,7 @@ from ..events import (
     RunFailed,
     RunFinished,
     RunStarted,
+    SplitChanged,
     StepFinished,
     TelemetrySampled,
 )
@@ -77,6 +79,7 @@ class DdpTrainer(TrainerBase):
         resume: str | os.PathLike | None = None,
         timeout: float = 30.0,
         startup_timeout: float = 120.0,
+        balance: Balance = "even",
     ) -> None:
         if not isinstance(workload, WorkloadSpec):
             raise TypeError(
@@ -112,11 +115,13 @@ class DdpTrainer(TrainerBase):
             chosen = resolve_devices(available) if available else available_devices(resolved)
             self._available = tuple(device_name(d) for d in chosen)
         self.backend = "nccl" if self._devices[0].startswith("cuda") else "gloo"
+        self._balance = self._fitting(balance)
 
         self._seq = 0  # numbers batch/device requests; rank 0 acknowledges the newest it applied
         self._acked = 0
         self._wanted_batch: tuple[int, int] | None = None  # (batch, seq)
         self._wanted_devices: tuple[tuple[str, ...], int] | None = None
+        self._wanted_balance: tuple[Balance, int] | None = None
         self._rank0: Connection | None = None
         self._group: SpawnedGroup | TorchrunGroup | None = None
         self._store: dist.TCPStore | None = None
@@ -147,6 +152,23 @@ class DdpTrainer(TrainerBase):
             self._wanted_devices = (resolved, self._seq)
             self._tell(("devices", resolved, self._seq))
 
+    def set_balance(self, balance: Balance) -> None:
+        """"even", "auto" or one weight per rank, from the next step on (every rank alike)."""
+        balance = self._fitting(balance)
+        with self._lock:
+            self._seq += 1
+            self._wanted_balance = (balance, self._seq)
+            self._tell(("balance", balance, self._seq))
+
+    @property
+    def balance(self) -> Balance:
+        return self._balance
+
+    def _fitting(self, balance: Balance) -> Balance:
+        if not isinstance(balance, str) and len(balance) != len(self._devices):
+            raise ValueError(f"{len(balance)} weights for {len(self._devices)} devices: give one per device")
+        return balance
+
     def _tell(self, command: tuple) -> None:
         """Send a command to rank 0 (call with the lock held); kept for the next generation if none."""
         if self._rank0 is None:
@@ -167,7 +189,7 @@ class DdpTrainer(TrainerBase):
     @property
     def has_pending_change(self) -> bool:
         with self._lock:
-            wanted = (self._wanted_batch, self._wanted_devices)
+            wanted = (self._wanted_batch, self._wanted_devices, self._wanted_balance)
             return any(w is not None and w[1] > self._acked for w in wanted)
 
     def worker_thread_ids(self) -> dict[str, int]:
@@ -258,7 +280,8 @@ class DdpTrainer(TrainerBase):
         with self._lock:
             pending = [
                 (kind, wanted[0], wanted[1])
-                for kind, wanted in (("batch", self._wanted_batch), ("devices", self._wanted_devices))
+                for kind, wanted in (("batch", self._wanted_batch), ("devices", self._wanted_devices),
+                                     ("balance", self._wanted_balance))
                 if wanted is not None and wanted[1] > self._acked
             ]
             config = RankConfig(
@@ -286,6 +309,7 @@ class DdpTrainer(TrainerBase):
                 store=None if self._torchrun is not None else ("127.0.0.1", self._store.port),
                 store_prefix=f"gen{generation}/",
                 torchrun=self._torchrun is not None,
+                balance=self._balance,
             )
             if self._torchrun is not None:
                 group = self._torchrun_group(config)
@@ -377,6 +401,9 @@ class DdpTrainer(TrainerBase):
         if isinstance(event, ConfigChanged):
             self._batch_size = event.batch_size
             self._devices = tuple(event.devices)
+        if isinstance(event, SplitChanged) and not event.by_balancer:
+            # What a restart for a device change carries on with (rank 0 already checked it fits).
+            self._balance = event.weights if event.balance == "weights" else event.balance
         self._publish(event)
         if isinstance(event, StepFinished):
             with self._lock:
