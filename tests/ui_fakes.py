@@ -173,6 +173,9 @@ class ScriptedTrainer:
             raise ValueError("no devices")
         self.calls.append(("set_devices", tuple(devices)))
 
+    def set_balance(self, balance) -> None:
+        self.calls.append(("set_balance", balance))
+
 
 def factory_of(*trainers: ScriptedTrainer) -> Callable[[], ScriptedTrainer]:
     """A trainer_factory that hands out the given trainers in turn (for restarts)."""
