@@ -182,3 +182,19 @@ def test_gradients_do_not_depend_on_the_split(weights):
     for got, want in zip((p.grad for p in model.parameters()), expected):
         torch.testing.assert_close(got, want)
     dp.close()
+
+
+def test_data_parallel_recovers_when_the_slow_device_becomes_fast():
+    torch.manual_seed(0)
+    ms_per_row = {"cpu:2": 1.5}
+    dp = DataParallel(SlowOnDevice(ms_per_row, base_ms_per_row=0.5), DEVICES, balance="auto")
+    x = torch.randn(30, 5)
+    for _ in range(12):
+        dp(x).sum().backward()
+    assert dp.last_step.chunk_sizes[2] <= 6
+    ms_per_row.clear()  # cpu:2 is as fast as the others now
+    for _ in range(20):
+        dp(x).sum().backward()
+    # Back to about a third each (generous: a loaded machine adds noise to every sleep).
+    assert dp.last_step.chunk_sizes[2] >= 8
+    dp.close()
