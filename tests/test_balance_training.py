@@ -141,3 +141,23 @@ def test_ddp_auto_balance_gives_every_rank_the_same_split_and_the_same_loss_curv
     even = run(Trainer(slow_device_workload(1), THREE, seed=1, epochs=2, telemetry_interval=None))
     assert [s.loss for s in steps] == pytest.approx(
         [e.loss for e in even if isinstance(e, StepFinished)], abs=1e-5)
+
+
+def test_ddp_set_balance_applies_at_the_next_step_on_every_rank():
+    from dpengine.distributed import DdpTrainer, WorkloadSpec
+
+    trainer = DdpTrainer(WorkloadSpec("seed", seed=3), THREE, seed=3, epochs=1, telemetry_interval=None)
+    with pytest.raises(ValueError, match="one per device"):
+        trainer.set_balance((1.0, 2.0))
+
+    def on_step(event: StepFinished) -> None:
+        if event.step == 1:
+            trainer.set_balance((2.0, 1.0, 1.0))
+
+    events = run(trainer, on_step)
+    steps = [e for e in events if isinstance(e, StepFinished)]
+    assert [s.record.chunk_sizes for s in steps[:2]] == [(10, 10, 10), (15, 8, 7)]
+    (change,) = [e for e in events if isinstance(e, SplitChanged)]
+    assert (change.step, change.balance) == (2, "weights")
+    # The host keeps what rank 0 applied: the same weights, as shares of the batch.
+    assert trainer.balance == pytest.approx((0.5, 0.25, 0.25)) and not trainer.has_pending_change
