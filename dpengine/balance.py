@@ -26,6 +26,8 @@ MIN_STEPS = 3  # steps measured at the current split before deciding
 WINDOW = 8  # recent steps the per-row estimate is taken over
 MARGIN = 0.05  # a new split must be predicted this much faster than the current one
 
+Balance = str | tuple[float, ...]  # "even", "auto", or one weight per device
+
 
 @dataclass(frozen=True, slots=True)
 class BalancePlan:
@@ -37,7 +39,7 @@ class BalancePlan:
     even_ms: float  # the same under torch's even split
 
 
-def parse_balance(text: str, device_count: int | None = None) -> str | tuple[float, ...]:
+def parse_balance(text: str, device_count: int | None = None) -> Balance:
     """"even", "auto", or weights "W1,W2,..." (one per device when `device_count` is given).
 
     Raises ValueError with one line saying what would be right.
@@ -78,12 +80,11 @@ def balanced_sizes(rows: int, weights: Sequence[float], min_rows: int = 1) -> li
 
 
 class BalancedSplit(Split):
-    """A Split that cuts every batch by `balanced_sizes`; `by_balancer` says who chose it."""
+    """The balancer's split: every batch cut by `balanced_sizes` (a Split with `weights` may leave a device none)."""
 
-    def __init__(self, weights: Sequence[float], min_rows: int = 1, by_balancer: bool = True) -> None:
+    def __init__(self, weights: Sequence[float], min_rows: int = 1) -> None:
         super().__init__(len(weights), weights=weights)
         self.min_rows = min_rows
-        self.by_balancer = by_balancer
 
     def plan(self, rows: int) -> list[tuple[int, int]]:
         sizes = balanced_sizes(rows, self.weights, self.min_rows)
@@ -176,13 +177,8 @@ def describe_split(split: Split | None) -> tuple[str, tuple[float, ...], bool]:
         return "even", (), False
     if split.chunk_sizes is not None:
         return "sizes", (), False
-    total = sum(split.weights)
-    weights = tuple(w / total for w in split.weights)
-    by_balancer = isinstance(split, BalancedSplit) and split.by_balancer
-    return ("auto" if by_balancer else "weights"), weights, by_balancer
-
-
-Balance = str | tuple[float, ...]  # "even", "auto", or one weight per device
+    by_balancer = isinstance(split, BalancedSplit)
+    return ("auto" if by_balancer else "weights"), normalized(split.weights), by_balancer
 
 
 def split_options(balance: Balance) -> dict:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import itertools
 import dataclasses
+import itertools
 import threading
 import time
 import weakref

@@ -214,30 +214,33 @@ class Trainer(TrainerBase):
                 return False
             batch, devices, balance = self._wanted_batch, self._wanted_devices, self._wanted_balance
             self._wanted_batch = self._wanted_devices = self._wanted_balance = None
-        if balance is not None and (devices is None or devices == self._devices):
+        switch = devices is not None and devices != self._devices
+        if balance is not None:
             self._balance = balance
-            self._dp.set_split(**split_options(balance))
-            self._publish_split(self._run.step + 1)
+            if not switch:
+                self._dp.set_split(**split_options(balance))
+                self._publish_split(self._run.step + 1)
         if batch is None and devices is None:
             return True
         if batch is not None:
             self._batch_size = batch
-        if devices is not None and devices != self._devices:
-            self._switch_devices(devices, optimizer)
+        if switch:
+            self._switch_devices(devices, optimizer, announce=balance is not None)
         self._publish(ConfigChanged(self._batch_size, self.devices, self._run.step + 1))
         return True
 
-    def _switch_devices(self, devices: list[torch.device], optimizer: torch.optim.Optimizer) -> None:
+    def _switch_devices(self, devices: list[torch.device], optimizer: torch.optim.Optimizer, announce: bool) -> None:
         if devices[0] != self._devices[0]:
             self._move_model(devices[0])
             move_optimizer_state(optimizer, devices[0])
         self._dp.close()
         self._devices = devices
-        if not isinstance(self._balance, str) and len(self._balance) != len(devices):
+        fits = isinstance(self._balance, str) or len(self._balance) == len(devices)
+        if not fits:
             self._balance = "even"  # the weights were for the old devices
+        # A fresh auto-balancer starts from an even split again: say so too.
+        if announce or not fits or self._balance == "auto":
             self._publish_split(self._run.step + 1)
-        elif self._balance == "auto":
-            self._publish_split(self._run.step + 1)  # a fresh balancer starts from an even split
         self._dp = DataParallel(self.workload.model, devices, **split_options(self._balance))
 
     def _step(self, dataset, indices: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:

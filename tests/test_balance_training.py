@@ -161,3 +161,18 @@ def test_ddp_set_balance_applies_at_the_next_step_on_every_rank():
     assert (change.step, change.balance) == (2, "weights")
     # The host keeps what rank 0 applied: the same weights, as shares of the batch.
     assert trainer.balance == pytest.approx((0.5, 0.25, 0.25)) and not trainer.has_pending_change
+
+
+def test_weights_asked_with_a_device_change_of_another_count_fall_back_to_even():
+    trainer = Trainer(builtin_workload("seed", 3), THREE, seed=3, telemetry_interval=None, balance=(3.0, 2.0, 1.0))
+
+    def on_step(event: StepFinished) -> None:
+        if event.step == 1:
+            trainer.set_devices(["cpu:0", "cpu:1"])
+
+    events = run(trainer, on_step)
+    steps = [e for e in events if isinstance(e, StepFinished)]
+    assert steps[0].record.chunk_sizes == (15, 10, 5)
+    assert steps[1].record.chunk_sizes == (15, 15) and steps[1].record.split == "even"
+    changes = [e for e in events if isinstance(e, SplitChanged)]
+    assert [(c.step, c.balance) for c in changes] == [(1, "weights"), (2, "even")]
