@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import random
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,8 +10,7 @@ import torch
 from dpengine import DataParallel
 from dpengine.balance import BalancedSplit, Balancer, balanced_sizes, describe_split, parse_balance
 
-sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
-from slow_device import SlowOnDevice  # noqa: E402
+from fixtures.slow_device import SlowOnDevice
 
 
 def simulate(balancer: Balancer, rates, steps: int, rows: int = 60, noise: float = 0.0, seed: int = 0):

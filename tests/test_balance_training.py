@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from dpengine.events import SplitChanged, StepFinished, to_json_dict
 from dpengine.trainer import Trainer
 from dpengine.workloads import builtin_workload
 from tui.cli import EXIT_OK, EXIT_USAGE, main
 
-sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
-from slow_device import slow_device_workload  # noqa: E402
+from fixtures.slow_device import slow_device_workload
 
 THREE = ["cpu:0", "cpu:1", "cpu:2"]
 SLOW = str(Path(__file__).parent / "fixtures" / "slow_device.py") + ":slow_device_workload"
