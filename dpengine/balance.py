@@ -112,6 +112,8 @@ class Balancer:
         self._history: deque[tuple[tuple[int, ...], tuple[float, ...]]] = deque(maxlen=window)
         self.weights: tuple[float, ...] = (1.0 / device_count,) * device_count
         self.changes = 0
+        # Each device's last estimate: one left without rows (allow_zero) keeps its rate.
+        self._rates: list[float | None] = [None] * device_count
 
     def observe(self, chunk_sizes: Sequence[int], times_ms: Sequence[float]) -> BalancePlan | None:
         """Take one step's rows and time per device slot (0 rows: not in that step).
@@ -144,7 +146,10 @@ class Balancer:
         return BalancePlan(candidate, True, predicted, even)
 
     def per_row_ms(self) -> tuple[float, ...] | None:
-        """Each device's smoothed time per row; None until every device has run some rows."""
+        """Each device's smoothed time per row; None until every device has run some rows.
+
+        A device without rows in the window keeps its last estimate.
+        """
         rows = [0] * self.device_count
         times = [0.0] * self.device_count
         for sizes, spent in self._history:
@@ -152,9 +157,12 @@ class Balancer:
                 if n > 0:
                     rows[i] += n
                     times[i] += t
-        if not all(rows):
+        for i, n in enumerate(rows):
+            if n:
+                self._rates[i] = times[i] / n
+        if any(r is None for r in self._rates):
             return None
-        return tuple(t / n for t, n in zip(times, rows))
+        return tuple(self._rates)
 
     def predict_ms(self, rows: int, weights: Sequence[float], rates: Sequence[float]) -> float:
         """The slowest replica's predicted time for a batch of `rows` cut by `weights`."""

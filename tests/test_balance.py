@@ -195,3 +195,12 @@ def test_data_parallel_recovers_when_the_slow_device_becomes_fast():
     # Back to about a third each (generous: a loaded machine adds noise to every sleep).
     assert dp.last_step.chunk_sizes[2] >= 8
     dp.close()
+
+
+def test_with_zero_rows_allowed_a_device_left_without_rows_keeps_its_estimate():
+    balancer = Balancer(2, allow_zero=True, warmup=0, min_steps=1)
+    plan = balancer.observe([5, 5], [5.0, 500.0])  # device 1 is 100x slower per row
+    assert plan.changed and balanced_sizes(10, balancer.weights, balancer.min_rows) == [10, 0]
+    for _ in range(5):  # it gets no rows now, and the balancer goes on deciding from the rest
+        plan = balancer.observe([10, 0], [10.0, 0.0])
+    assert plan is not None and not plan.changed and balancer.per_row_ms() == (1.0, 100.0)
