@@ -25,6 +25,7 @@ BENCHES = {
     5: ("ui", "UI cost"),
     6: ("memory", "peak memory"),
     7: ("gpu", "GPU: dpengine vs torch.nn.DataParallel"),
+    8: ("balance", "auto-balance"),
 }
 DEFAULT_OUT = Path(__file__).with_name("results.md")
 
@@ -37,7 +38,7 @@ def _select(text: str | None) -> list[int]:
         part = part.strip()
         matches = [n for n, (name, _) in BENCHES.items() if part in (str(n), name)]
         if not matches:
-            raise SystemExit(f"bench: unknown benchmark {part!r}; expected 1-7 or one of "
+            raise SystemExit(f"bench: unknown benchmark {part!r}; expected 1-8 or one of "
                              f"{', '.join(name for name, _ in BENCHES.values())}")
         chosen += matches
     return sorted(set(chosen))
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", help="comma-separated benchmark numbers or names (1-7)")
+    parser.add_argument("--only", help="comma-separated benchmark numbers or names (1-8)")
     parser.add_argument("--gpu-only", action="store_true", help="run only 7 (GPU)")
     parser.add_argument("--quick", action="store_true", help="few rounds: checks the suite runs")
     parser.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import weakref
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 from torch._utils import ExceptionWrapper
 
+from .balance import Balancer, BalancedSplit, describe_split
 from .devices import DeviceLike, default_devices, device_name, parse_device, resolve_devices
 from .instrument import BackwardCountdown, ReplicaProbe, shapes_of, tensors_of
 from .parallel_apply import ThreadState, WorkerPool, reraise, run_in_state
@@ -30,8 +32,9 @@ _set = object.__setattr__
 class DataParallel(nn.Module):
     """Drop-in for torch.nn.DataParallel that also runs on virtual CPU devices (`cpu:N`).
 
-    Beyond torch: `chunk_sizes` (an explicit split) or `balance="weighted"` with one weight
-    per device; `last_step` and `subscribe()` for what each replica did.
+    Beyond torch: `chunk_sizes` (an explicit split), `balance="weighted"` with one weight
+    per device, or `balance="auto"` (dpengine.balance: the split follows the measured times);
+    `last_step` and `subscribe()` for what each replica did.
     """
 
     def __init__(
@@ -73,6 +76,7 @@ class DataParallel(nn.Module):
         self._last_step: StepRecord | None = None
         self._plan: ReplicationPlan | None = None
         self._call: _Call | None = None  # the forward in progress, for the four step methods
+        self._balancer = _make_balancer(len(self.devices), balance)
 
     # -- configuration ---------------------------------------------------------
 
@@ -80,8 +84,14 @@ class DataParallel(nn.Module):
         self, chunk_sizes: Sequence[int] | None = None, balance: str = "even",
         weights: Sequence[float] | None = None,
     ) -> None:
-        """Change how batches are cut, from the next forward on."""
+        """Change how batches are cut, from the next forward on; "auto" starts a fresh balancer."""
         self._split = _make_split(len(self.devices), chunk_sizes, balance, weights)
+        self._balancer = _make_balancer(len(self.devices), balance)
+
+    @property
+    def balancing(self) -> bool:
+        """True while the auto-balancer steers the split."""
+        return self._balancer is not None
 
     def subscribe(self, callback: StepCallback) -> Callable[[], None]:
         """Call `callback(record)` with each finished step record; returns an unsubscribe function.
@@ -135,6 +145,8 @@ class DataParallel(nn.Module):
                 if self.recording else None
             )
             pending = _PendingStep(self, self._step, probes) if probes is not None else None
+            if pending is not None:
+                pending.split, pending.slots = self._split, slots
 
             if len(self.devices) == 1:
                 # torch's shortcut: one device runs the module itself, on the caller's thread.
@@ -314,9 +326,26 @@ class DataParallel(nn.Module):
                 return
             _set(self, "_pending", None)
         record = pending.build(backward_done=pending.backward_done)
+        balancer = self._balancer
+        if balancer is not None and pending.split is self._split:
+            record = self._balance(balancer, pending, record)
         _set(self, "_last_step", record)
         for callback in list(self._subscribers):
             callback(record)
+
+    def _balance(self, balancer: Balancer, pending: _PendingStep, record: StepRecord) -> StepRecord:
+        """Feed the step to the balancer; its new split holds from the next forward on."""
+        sizes = [0] * len(self.devices)
+        times = [0.0] * len(self.devices)
+        for slot, replica in zip(pending.slots, record.replicas):
+            sizes[slot] = replica.chunk_size
+            times[slot] = replica.forward_ms + (replica.backward_ms or 0.0)
+        plan = balancer.observe(sizes, times)
+        if plan is None:
+            return record
+        if plan.changed:
+            self._split = BalancedSplit(plan.weights, balancer.min_rows)
+        return dataclasses.replace(record, even_ms=plan.even_ms)
 
     def extra_repr(self) -> str:
         return f"devices={[device_name(d) for d in self.devices]}, dim={self.dim}"
@@ -345,6 +374,8 @@ class _PendingStep:
         self.dim = owner.dim
         self.cuda = owner.devices[0].type == "cuda"
         self.backward_done = False
+        self.split = owner._split
+        self.slots: list[int] = []
         # Weak references: the graph's hooks hold the countdown, and a strong one back to
         # this step (or its owner) would be a reference cycle that outlives the backward.
         self.countdown = BackwardCountdown(
@@ -364,11 +395,13 @@ class _PendingStep:
             backward_ms = (max(t.last_end for t in timers) - min(t.first_start for t in timers)) * 1000.0
         f = self._forward
         scatter, replicate_, apply, gather_, total = (t * 1000.0 for t in f["times"])
+        split, weights, balanced = describe_split(self.split)
         return StepRecord(
             step=self.step, dim=self.dim, batch_size=f["batch_size"],
             input_shapes=f["input_shapes"], output_shapes=f["output_shapes"], replicas=replicas,
             scatter_ms=scatter, replicate_ms=replicate_, apply_ms=apply, gather_ms=gather_,
             total_ms=total, backward_ms=backward_ms,
+            split=split, split_weights=weights, balanced=balanced,
         )
 
 
@@ -395,10 +428,16 @@ def _parse_output_device(spec: DeviceLike) -> torch.device:
 
 
 def _make_split(count: int, chunk_sizes, balance: str, weights) -> Split:
-    if balance not in ("even", "weighted"):
-        raise ValueError(f"balance must be 'even' or 'weighted', not {balance!r}")
+    if balance not in ("even", "weighted", "auto"):
+        raise ValueError(f"balance must be 'even', 'weighted' or 'auto', not {balance!r}")
+    if balance == "auto" and (weights is not None or chunk_sizes is not None):
+        raise ValueError("balance='auto' chooses the chunk sizes itself: give no weights or chunk_sizes")
     if balance == "weighted" and weights is None:
         raise ValueError("balance='weighted' needs weights: one number per device")
     if balance == "even" and weights is not None:
         raise ValueError("weights are used only with balance='weighted'")
     return Split(count, chunk_sizes=chunk_sizes, weights=weights)
+
+
+def _make_balancer(count: int, balance: str) -> Balancer | None:
+    return Balancer(count) if balance == "auto" and count > 1 else None

@@ -23,6 +23,7 @@ from .events import (
     RunFailed,
     RunFinished,
     RunStarted,
+    SplitChanged,
     StateChanged,
     StepFinished,
     TelemetrySampled,
@@ -81,6 +82,7 @@ def _step(data: dict[str, Any]) -> StepFinished:
     engine = _known(StepRecord, data["engine"])
     engine["input_shapes"] = _shapes(engine.get("input_shapes"))
     engine["output_shapes"] = _shapes(engine.get("output_shapes"))
+    engine["split_weights"] = tuple(engine.get("split_weights", ()))
     for key in ("scatter_ms", "replicate_ms", "apply_ms", "gather_ms", "total_ms"):
         engine[key] = _float(engine.get(key))
     record = StepRecord(**engine, replicas=tuple(_replica(r) for r in data["replicas"]))
@@ -109,6 +111,12 @@ def _config_changed(data: dict[str, Any]) -> ConfigChanged:
     return ConfigChanged(**fields)
 
 
+def _split(data: dict[str, Any]) -> SplitChanged:
+    fields = _known(SplitChanged, data)
+    fields["weights"] = tuple(fields.get("weights", ()))
+    return SplitChanged(**fields)
+
+
 _DECODERS = {
     "run_started": lambda d: RunStarted(_config(d["config"])),
     "step": _step,
@@ -116,6 +124,7 @@ _DECODERS = {
     "telemetry": _telemetry,
     "state": lambda d: StateChanged(**_known(StateChanged, d)),
     "config": _config_changed,
+    "split": _split,
     "run_finished": lambda d: RunFinished(**_known(RunFinished, d)),
     "run_failed": lambda d: RunFailed(**_known(RunFailed, d)),
 }

@@ -87,6 +87,16 @@ class ConfigChanged:
 
 
 @dataclass(frozen=True, slots=True)
+class SplitChanged:
+    """How batches are cut changed: asked for (`--balance`, keys `a`/`w`) or by the auto-balancer."""
+
+    step: int  # the first step that runs with it
+    balance: str  # what is in force: "even", "auto" or "weights"
+    weights: tuple[float, ...] = ()  # per device, summing to 1; () while torch's even rule cuts
+    by_balancer: bool = False  # the auto-balancer chose these weights from measured times
+
+
+@dataclass(frozen=True, slots=True)
 class RunFinished:
     final_loss: float | None  # mean loss over the last epoch run (partial if stopped)
     epochs: int
@@ -107,7 +117,7 @@ class RunFailed:
 
 Event = Union[
     RunStarted, StepFinished, EpochFinished, TelemetrySampled, StateChanged,
-    ConfigChanged, RunFinished, RunFailed,
+    ConfigChanged, SplitChanged, RunFinished, RunFailed,
 ]
 
 _TYPE_NAMES = {
@@ -117,6 +127,7 @@ _TYPE_NAMES = {
     TelemetrySampled: "telemetry",
     StateChanged: "state",
     ConfigChanged: "config",
+    SplitChanged: "split",
     RunFinished: "run_finished",
     RunFailed: "run_failed",
 }

@@ -1,4 +1,4 @@
-"""Batch size and device changes asked for and not yet in force: their one owner.
+"""Batch size, device and split changes asked for and not yet in force: their one owner.
 
 Steering comes from any thread and takes effect at the next step boundary. `PendingChanges`
 keeps what was asked, numbered in order: the threaded Trainer takes it all at a boundary;
@@ -12,71 +12,72 @@ import threading
 from collections.abc import Hashable
 from dataclasses import dataclass
 
+from .balance import Balance
+
+_KINDS = ("batch_size", "devices", "balance")
+
 
 @dataclass(frozen=True)
 class Change:
-    """One request: a global batch size or a device list (of names or torch.devices)."""
+    """One request: a global batch size, a device list (of names or torch.devices) or a split."""
 
     seq: int  # numbered in the order asked; later ones win
     batch_size: int | None = None
     devices: tuple[Hashable, ...] | None = None
+    balance: Balance | None = None  # "even", "auto" or one weight per device (dpengine.balance)
 
 
 @dataclass(frozen=True)
 class Taken:
-    """What a step boundary takes: the newest batch size and devices asked for, and the last number."""
+    """What a step boundary takes: the newest of each kind asked for, and the last number."""
 
     batch_size: int | None
     devices: tuple[Hashable, ...] | None
+    balance: Balance | None
     seq: int
 
 
 class PendingChanges:
-    """Thread-safe: the newest batch size and device change not yet applied."""
+    """Thread-safe: the newest batch size, device and split change not yet applied."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._seq = 0
-        self._batch: Change | None = None
-        self._devices: Change | None = None
+        self._newest: dict[str, Change] = {}  # per kind, the newest change asking for it
 
-    def ask(self, *, batch_size: int | None = None, devices: tuple | None = None, seq: int | None = None) -> Change:
+    def ask(
+        self, *, batch_size: int | None = None, devices: tuple | None = None, balance: Balance | None = None,
+        seq: int | None = None,
+    ) -> Change:
         """Note a request; `seq` when someone else numbered it (rank 0 keeps the host's numbers)."""
         with self._lock:
             self._seq = self._seq + 1 if seq is None else max(self._seq, seq)
-            change = Change(self._seq if seq is None else seq, batch_size, devices)
-            if batch_size is not None:
-                self._batch = change
-            if devices is not None:
-                self._devices = change
+            change = Change(self._seq if seq is None else seq, batch_size, devices, balance)
+            for kind in _KINDS:
+                if getattr(change, kind) is not None:
+                    self._newest[kind] = change
             return change
 
     def take(self) -> Taken | None:
         """Everything asked for, now applied (None if nothing was)."""
         with self._lock:
-            if self._batch is None and self._devices is None:
+            if not self._newest:
                 return None
-            taken = Taken(
-                batch_size=self._batch.batch_size if self._batch else None,
-                devices=self._devices.devices if self._devices else None,
-                seq=max(c.seq for c in (self._batch, self._devices) if c is not None),
-            )
-            self._batch = self._devices = None
+            wanted = {kind: getattr(self._newest[kind], kind) if kind in self._newest else None for kind in _KINDS}
+            taken = Taken(**wanted, seq=max(c.seq for c in self._newest.values()))
+            self._newest.clear()
             return taken
 
     def applied(self, seq: int) -> None:
         """Someone else applied every change up to number `seq`: forget those."""
         with self._lock:
-            if self._batch is not None and self._batch.seq <= seq:
-                self._batch = None
-            if self._devices is not None and self._devices.seq <= seq:
-                self._devices = None
+            self._newest = {kind: c for kind, c in self._newest.items() if c.seq > seq}
 
     def waiting(self) -> tuple[Change, ...]:
         """The changes not yet applied, oldest first."""
         with self._lock:
-            return tuple(sorted((c for c in (self._batch, self._devices) if c is not None), key=lambda c: c.seq))
+            return tuple(sorted(set(self._newest.values()), key=lambda c: c.seq))
 
     def __bool__(self) -> bool:
         with self._lock:
-            return self._batch is not None or self._devices is not None
+            return bool(self._newest)

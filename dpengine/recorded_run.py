@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from .eventlog import EventLogReader
 from .events import ConfigChanged, Publisher, RunConfig, RunFailed, RunFinished, RunStarted
-from .run_protocol import BATCH_SIZE, DEVICES, PAUSE, ControlUnsupported
+from .run_protocol import BALANCE, BATCH_SIZE, DEVICES, PAUSE, ControlUnsupported
 
 FOLLOW_POLL_S = 0.2  # how often a followed file is checked for new lines
 
@@ -79,6 +79,9 @@ class RecordedRun(Publisher):
 
     def set_devices(self, devices: Sequence[str]) -> None:
         raise ControlUnsupported(DEVICES, "Cannot change the devices: this is a recording.")
+
+    def set_balance(self, balance: str | tuple[float, ...]) -> None:
+        raise ControlUnsupported(BALANCE, "Cannot change the split: this is a recording.")
 
     @property
     def devices(self) -> tuple[str, ...]:

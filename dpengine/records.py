@@ -44,6 +44,11 @@ class StepRecord:
     gather_ms: float
     total_ms: float  # the whole forward, as the caller saw it
     backward_ms: float | None = None  # wall time of the backward over all replicas
+    split: str = "even"  # how the batch was cut: even, sizes, weights or auto
+    split_weights: tuple[float, ...] = ()  # per device slot, summing to 1 (weights, auto)
+    balanced: bool = False  # the auto-balancer chose this split
+    # Auto-balance only: the slowest replica's predicted time under torch's even split.
+    even_ms: float | None = None
 
     @property
     def chunk_sizes(self) -> tuple[int, ...]:

@@ -17,7 +17,8 @@ from .events import RunConfig, RunFailed, RunFinished, Subscriber
 PAUSE = "pause"  # pause() and resume()
 BATCH_SIZE = "batch_size"  # set_batch_size()
 DEVICES = "devices"  # set_devices()
-ALL_CONTROLS: frozenset[str] = frozenset({PAUSE, BATCH_SIZE, DEVICES})
+BALANCE = "balance"  # set_balance()
+ALL_CONTROLS: frozenset[str] = frozenset({PAUSE, BATCH_SIZE, DEVICES, BALANCE})
 
 
 class ControlUnsupported(ValueError):
@@ -33,10 +34,10 @@ class Run(Protocol):
     """One run, driven from another thread: `run()` blocks, everything else may come from anywhere.
 
     Steering takes effect at the next step boundary and is reported by events
-    (`StateChanged`, `ConfigChanged`), never by the return value.
+    (`StateChanged`, `ConfigChanged`, `SplitChanged`), never by the return value.
     """
 
-    controls: frozenset[str]  # which of PAUSE, BATCH_SIZE, DEVICES apply
+    controls: frozenset[str]  # which of PAUSE, BATCH_SIZE, DEVICES, BALANCE apply
 
     def run(self) -> RunFinished | RunFailed:
         """Until done or stopped; publishes RunStarted first and the result last; never raises for training errors."""
@@ -58,6 +59,10 @@ class Run(Protocol):
 
     def set_devices(self, devices: Sequence[str]) -> None:
         """Train on `devices` from the next step; ValueError if bad, ControlUnsupported if not offered."""
+
+    def set_balance(self, balance: str | tuple[float, ...]) -> None:
+        """Cut batches "even", "auto" or by one weight per device from the next step; ValueError
+        if bad, ControlUnsupported if not offered."""
 
     @property
     def devices(self) -> tuple[str, ...]:

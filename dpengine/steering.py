@@ -1,8 +1,8 @@
 """`TrainerBase`: the options and the steering both trainers (`Trainer`, `DdpTrainer`) expose.
 
 pause(), resume() and stop() come from any thread: each sets its flag under `lock`, then
-`_tell()`s the run loop, which acts on it at the next step boundary. Batch size and device
-changes wait in `PendingChanges` (dpengine/pending.py) until a boundary applies them.
+`_tell()`s the run loop, which acts on it at the next step boundary. Batch size, device and
+split changes wait in `PendingChanges` (dpengine/pending.py) until a boundary applies them.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ def check_batch_size(value: int) -> int:
 class TrainerBase(Publisher):
     """The run's options, the pause/stop flags and the pending changes, handled alike by both trainers.
 
-    Subclasses are `dpengine.Run`s: they add set_batch_size, set_devices, devices, config and run.
+    Subclasses are `dpengine.Run`s: they add set_batch_size, set_devices, set_balance, devices,
+    config and run.
     """
 
     controls: frozenset[str] = ALL_CONTROLS
@@ -104,7 +105,7 @@ class TrainerBase(Publisher):
 
     @property
     def has_pending_change(self) -> bool:
-        """A batch size or device change was asked for and is not in force yet."""
+        """A batch size, device or split change was asked for and is not in force yet."""
         return bool(self._pending)
 
     @property

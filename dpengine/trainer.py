@@ -2,7 +2,7 @@
 
 `Trainer.run()` runs in the calling thread (the UI calls it from a Textual thread
 worker). Other threads steer it through pause/resume/stop/set_batch_size/
-set_devices; changes wait for the next step boundary and lose nothing: weights and
+set_devices/set_balance; changes wait for the next step boundary and lose nothing: weights and
 optimizer state carry over, and the epoch goes on at the new batch size.
 """
 
@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .balance import Balance, balance_name, check_balance, normalized, split_options
 from .batches import batch_of, move_optimizer_state, to_device
 from .checkpoint import Checkpoint, restore_run
 from .data_parallel import DataParallel
@@ -27,6 +28,7 @@ from .events import (
     RunFailed,
     RunFinished,
     RunStarted,
+    SplitChanged,
     StateChanged,
     TelemetrySampled,
 )
@@ -54,8 +56,12 @@ class Trainer(TrainerBase, EpochLoop):
         available: Sequence[DeviceLike] | None = None,
         checkpoint: str | os.PathLike | None = None,
         resume: str | os.PathLike | Checkpoint | None = None,
+        balance: Balance = "even",
     ) -> None:
-        """`resume`: a checkpoint file, or one already read (`dpengine.checkpoint.read_checkpoint`)."""
+        """`resume`: a checkpoint file, or one already read (`dpengine.checkpoint.read_checkpoint`).
+
+        `balance`: how batches are cut, "even" (torch's rule), "auto" or one weight per device.
+        """
         self.workload = workload
         self._devices = resolve_devices(devices)
         self._available = resolve_devices(available) if available else available_devices(self._devices)
@@ -65,6 +71,8 @@ class Trainer(TrainerBase, EpochLoop):
             lock=threading.Condition(),
         )
         self._dp: DataParallel | None = None
+        self._balance = check_balance(balance, len(self._devices))
+        self._split_weights: tuple[float, ...] = ()  # the weights of the last step, to see changes
 
     # -- steering, from any thread (pause/resume/stop: TrainerBase) -------------
 
@@ -81,6 +89,14 @@ class Trainer(TrainerBase, EpochLoop):
             names = ", ".join(device_name(d) for d in self._available)
             raise ValueError(f"device {unknown[0]} is not available to this run (available: {names})")
         self._pending.ask(devices=tuple(resolved))
+
+    def set_balance(self, balance: Balance) -> None:
+        """"even", "auto" or one weight per device, from the next step on."""
+        self._pending.ask(balance=check_balance(balance, len(self._devices)))
+
+    @property
+    def balance(self) -> Balance:
+        return self._balance
 
     @property
     def devices(self) -> tuple[str, ...]:
@@ -140,7 +156,9 @@ class Trainer(TrainerBase, EpochLoop):
             # The saved optimizer state brings its own lr; an explicit --lr wins.
             restore_run(self.resume_from, self._run, model, self._optimizer, self.lr if self._explicit_lr else None)
             move_optimizer_state(self._optimizer, self._devices[0])
-        self._dp = DataParallel(model, self._devices)
+        self._dp = DataParallel(model, self._devices, **split_options(self._balance))
+        if self._balance != "even":
+            self._publish_split(self._run.step + 1)
         return self.train_epochs()
 
     def _boundary(self) -> Boundary:
@@ -157,23 +175,37 @@ class Trainer(TrainerBase, EpochLoop):
             taken = self._pending.take()
         if taken is None:
             return Boundary.STEP
+        switch = taken.devices is not None and list(taken.devices) != self._devices
+        if taken.balance is not None:
+            self._balance = taken.balance
+            if not switch:
+                self._dp.set_split(**split_options(taken.balance))
+                self._publish_split(self._run.step + 1)
+        if taken.batch_size is None and taken.devices is None:
+            return Boundary.STEP
         if taken.batch_size is not None:
             self._batch_size = taken.batch_size
-        if taken.devices is not None and list(taken.devices) != self._devices:
-            self._switch_devices(list(taken.devices))
+        if switch:
+            self._switch_devices(list(taken.devices), announce=taken.balance is not None)
         self._publish(ConfigChanged(self._batch_size, self.devices, self._run.step + 1))
         return Boundary.STEP
 
     def _epoch_finished(self, event: EpochFinished) -> None:
         self._publish(event)
 
-    def _switch_devices(self, devices: list[torch.device]) -> None:
+    def _switch_devices(self, devices: list[torch.device], announce: bool) -> None:
         if devices[0] != self._devices[0]:
             self._move_model(devices[0])
             move_optimizer_state(self._optimizer, devices[0])
         self._dp.close()
         self._devices = devices
-        self._dp = DataParallel(self.workload.model, devices)
+        fits = isinstance(self._balance, str) or len(self._balance) == len(devices)
+        if not fits:
+            self._balance = "even"  # the weights were for the old devices
+        # A fresh auto-balancer starts from an even split again: say so too.
+        if announce or not fits or self._balance == "auto":
+            self._publish_split(self._run.step + 1)
+        self._dp = DataParallel(self.workload.model, devices, **split_options(self._balance))
 
     def _step(self, indices: torch.Tensor) -> None:
         run, dataset, optimizer = self._run, self.workload.dataset, self._optimizer
@@ -190,14 +222,24 @@ class Trainer(TrainerBase, EpochLoop):
         loss_value = loss.item()
         seconds = time.perf_counter() - step_started
         run.after_step(len(indices), loss_value)
+        record = self._dp.last_step
+        if record is not None and record.balanced and record.split_weights != self._split_weights:
+            self._split_weights = record.split_weights
+            self._publish(SplitChanged(run.step, "auto", record.split_weights, by_balancer=True))
         self._publish(
             run.step_event(
                 len(indices), loss_value, samples=len(dataset), batch_size=self._batch_size, seconds=seconds,
                 input_shape=tuple(inputs.shape) if isinstance(inputs, torch.Tensor) else (),
                 output_shape=tuple(output.shape) if isinstance(output, torch.Tensor) else (),
-                record=self._dp.last_step,
+                record=record,
             )
         )
+
+    def _publish_split(self, step: int) -> None:
+        balance = self._balance
+        weights = () if isinstance(balance, str) else normalized(balance)
+        self._split_weights = weights
+        self._publish(SplitChanged(step, balance_name(balance), weights))
 
     def _move_model(self, device: torch.device) -> None:
         self.workload.model.to(device if device.type == "cuda" else "cpu")

@@ -162,10 +162,11 @@ def test_a_panels_chunk_bar_fills_the_width_in_proportion(chunk: int, batch: int
     view = DeviceView(0, "cpu:0", "virtual", True, chunk=chunk, step_batch=batch)
     width = 40
     line = body_lines(view, width)[0]
-    assert line.cell_len == width and line.plain.startswith(f"chunk {chunk}/{batch} ")
+    label = f"chunk {chunk}/{batch} {100 * chunk / batch:.0f}% "
+    assert line.cell_len == width and line.plain.startswith(label)
     complete = sum(s.end - s.start for s in line.spans if s.style == "bar.complete")
     back = sum(s.end - s.start for s in line.spans if s.style == "bar.back")
-    room = width - len(f"chunk {chunk}/{batch} ")
+    room = width - len(label)
     assert complete + back == room
     assert abs(complete - room * chunk / batch) <= 1
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import math
@@ -24,6 +25,7 @@ from dpengine.events import (
     ConfigChanged,
     RunFailed,
     RunFinished,
+    SplitChanged,
     StateChanged,
     StepFinished,
     TelemetrySampled,
@@ -44,10 +46,17 @@ def every_kind_of_event() -> list:
         TelemetrySampled((gpu_sample("cuda:0", 0),)),
         StateChanged("paused"),
         ConfigChanged(60, ("cpu:0", "cpu:1"), step=5),
-        step_event(5, 2, 1, 2, 60, ("cuda:0", "cuda:1")),  # with CUDA peaks
+        SplitChanged(5, "auto", (0.6, 0.4), by_balancer=True),
+        balanced(step_event(5, 2, 1, 2, 60, ("cuda:0", "cuda:1"))),  # with CUDA peaks
         RunFinished(final_loss=0.25, epochs=2, steps=5, samples=160, seconds=1.5, stopped=True),
         RunFailed("ValueError: bad", "ValueError", replica=1, device="cpu:1", traceback="Traceback ..."),
     ]
+
+
+def balanced(event: StepFinished) -> StepFinished:
+    """The step as the auto-balancer's split ran it."""
+    record = dataclasses.replace(event.record, split="auto", split_weights=(0.6, 0.4), balanced=True, even_ms=3.5)
+    return dataclasses.replace(event, record=record)
 
 
 def jsonl(events) -> str:

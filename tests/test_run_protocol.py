@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dpengine import ControlUnsupported, Run
 from dpengine.distributed import DdpTrainer, WorkloadSpec
-from dpengine.run_protocol import ALL_CONTROLS, BATCH_SIZE, DEVICES, PAUSE
+from dpengine.run_protocol import ALL_CONTROLS, BALANCE, BATCH_SIZE, DEVICES, PAUSE
 from dpengine.trainer import Trainer
 from dpengine.workloads import builtin_workload
 from tui.session import Session
@@ -18,7 +18,7 @@ def test_both_trainers_are_runs_with_every_control():
     ddp = DdpTrainer(WorkloadSpec("seed", seed=0), ["cpu:0", "cpu:1"], seed=0)
     for run in (threaded, ddp):
         assert isinstance(run, Run)
-        assert run.controls == ALL_CONTROLS == {PAUSE, BATCH_SIZE, DEVICES}
+        assert run.controls == ALL_CONTROLS == {PAUSE, BATCH_SIZE, DEVICES, BALANCE}
         assert run.devices == ("cpu:0", "cpu:1") == run.config().devices
 
 
@@ -38,6 +38,7 @@ def test_the_session_shows_why_a_control_does_not_apply():
     session.attach(run)
     assert session.set_batch_size(64) == "This run cannot change its batch size."
     assert session.toggle_device(0) == "This run cannot change its devices."
+    assert session.toggle_auto_balance() == "This run cannot change its split."
     assert view.snapshot().pending == ""  # nothing refused shows as pending
     assert session.toggle_pause() is None and run.calls == [("pause",)]
 

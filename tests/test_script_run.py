@@ -13,6 +13,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+
+from dpengine.run_protocol import BALANCE, BATCH_SIZE, Run
 import torch
 
 from dpengine.events import StateChanged, StepFinished
@@ -161,6 +163,9 @@ def test_a_script_run_refuses_what_a_script_does_not_allow_in_a_sentence():
     run = ScriptRun(ScriptTarget("train.py"), ("cpu:0", "cpu:1"))
     with pytest.raises(ValueError, match=f"^{BATCH_OWNED}$"):
         run.set_batch_size(64)
+    with pytest.raises(ValueError, match="splits batches as the script built it"):
+        run.set_balance("auto")
+    assert isinstance(run, Run) and BALANCE not in run.controls and BATCH_SIZE not in run.controls
     with pytest.raises(ValueError, match="^The script is not running.$"):
         run.pause()
     with pytest.raises(ValueError, match="^Choose at least one device.$"):

@@ -16,7 +16,7 @@ import pytest
 from textual import events as keys
 
 from dpengine.eventlog import read_event_log
-from dpengine.events import RunFinished, StepFinished
+from dpengine.events import RunFinished, SplitChanged, StepFinished
 from dpengine.recorded_run import RecordedRun
 from dpengine.runlog import JsonLinesWriter
 from tui.cli import main
@@ -189,6 +189,15 @@ def test_a_long_run_rebuilds_only_what_the_screen_draws():
     assert comparable(view.snapshot()) == comparable(live_view_at(events, 1500).snapshot())
 
 
+def test_going_back_keeps_the_split_in_force_before_the_rebuilt_steps():
+    events = [*demo_events(DEVICES, epochs=0), SplitChanged(1, "auto")]
+    events += [step_event(s, 1, s, 2000, 30, DEVICES, loss=1.0 / s) for s in range(1, 2001)]
+    view = replay_of(events)
+    assert view.move(to=1499)  # rebuilt from the steps the screen draws, and what was in force
+    assert view.snapshot().balance == "auto"
+    assert comparable(view.snapshot()) == comparable(live_view_at(events, 1500).snapshot())
+
+
 def test_new_events_follow_at_the_last_step_and_wait_elsewhere():
     events = demo_events(DEVICES, epochs=2)  # 8 steps
     view = replay_of(events[:6])
@@ -274,8 +283,8 @@ async def test_steering_keys_say_this_is_a_recording(tmp_path):
     app = ViewerApp(RecordedRun(path))
     async with app.run_test():
         await until(lambda: "step 2 of 2" in status(app), "the recording")
-        await press(app, "space", "plus", "2", "r")
-        await until(lambda: len(app._notifications) == 4, "four refusals")
+        await press(app, "space", "plus", "2", "a", "w", "r")
+        await until(lambda: len(app._notifications) == 6, "six refusals")
         assert all("this is a recording" in n.message for n in app._notifications)
         assert "step 2 of 2" in status(app)
         await press(app, "q")

@@ -19,7 +19,7 @@ from dpengine.events import (
     TelemetrySampled,
 )
 from dpengine.records import ReplicaRecord, StepRecord
-from dpengine.run_protocol import ALL_CONTROLS, BATCH_SIZE, DEVICES, PAUSE, ControlUnsupported
+from dpengine.run_protocol import ALL_CONTROLS, BALANCE, BATCH_SIZE, DEVICES, PAUSE, ControlUnsupported
 from dpengine.telemetry.sample import DeviceSample
 from reference_loop import chunk_sizes
 
@@ -120,6 +120,7 @@ _REFUSALS = {
     PAUSE: "This run cannot be paused.",
     BATCH_SIZE: "This run cannot change its batch size.",
     DEVICES: "This run cannot change its devices.",
+    BALANCE: "This run cannot change its split.",
 }
 
 
@@ -187,6 +188,10 @@ class ScriptedTrainer:
         if not devices:
             raise ValueError("no devices")
         self.calls.append(("set_devices", tuple(devices)))
+
+    def set_balance(self, balance) -> None:
+        self._offers(BALANCE)
+        self.calls.append(("set_balance", balance))
 
     def config(self) -> RunConfig:
         started = next(e for e in self._events if isinstance(e, RunStarted))

@@ -28,6 +28,7 @@ from . import format as fmt
 from .screens.batch_size import BatchSizeScreen
 from .screens.devices import DevicesScreen
 from .screens.help import HelpScreen
+from .screens.weights import WeightsScreen
 from .session import Session
 from .state import RunView
 from .widgets.device_grid import DeviceGrid
@@ -48,11 +49,11 @@ LOG_STYLES = {"model": "", "event": "cyan", "error": "bold red"}
 # ctrl+q, Textual's own quit binding, still does, through action_quit).
 PLAIN_KEY_ACTIONS = {
     "pause", "resume", "scale_batch", "ask_batch", "toggle_device", "pick_devices",
-    "restart", "toggle_log", "help", "quit_app",
+    "restart", "toggle_log", "help", "quit_app", "toggle_balance", "ask_weights",
 }
 
 # Actions that change a live run.
-RUN_ACTIONS = {"scale_batch", "ask_batch", "toggle_device", "pick_devices"}
+RUN_ACTIONS = {"scale_batch", "ask_batch", "toggle_device", "pick_devices", "toggle_balance", "ask_weights"}
 
 
 class DptuiApp(App[None]):
@@ -69,6 +70,9 @@ class DptuiApp(App[None]):
         Binding("1", "toggle_device(0)", "Device", key_display="1-9", tooltip="Take device N in or out of the run"),
         *(Binding(str(n), f"toggle_device({n - 1})", show=False) for n in range(2, 10)),
         Binding("d", "pick_devices", "Pick", tooltip="Pick the devices from a list"),
+        # Not in the Footer, which has no room left at 80 columns; `?` lists them.
+        Binding("a", "toggle_balance", "Auto", show=False, tooltip="Auto-balance the split on or off"),
+        Binding("w", "ask_weights", "Weights", show=False, tooltip="Type one split weight per device"),
         Binding("r", "restart", "Restart", tooltip="Restart the run from fresh weights"),
         Binding("l", "toggle_log", "Log", tooltip="Show or hide the log"),
         Binding("question_mark", "help", "Help", key_display="?", tooltip="This help"),
@@ -245,6 +249,16 @@ class DptuiApp(App[None]):
                 self._say(self.session.set_devices(devices))
 
         self.push_screen(DevicesScreen(available, view.target_devices()), chosen)
+
+    def action_toggle_balance(self) -> None:
+        self._say(self.session.toggle_auto_balance())
+
+    def action_ask_weights(self) -> None:
+        def chosen(weights: tuple[float, ...] | None) -> None:
+            if weights is not None:
+                self._say(self.session.set_weights(weights))
+
+        self.push_screen(WeightsScreen(self.session.view.target_devices()), chosen)
 
     def action_restart(self) -> None:
         if not self._restarting:

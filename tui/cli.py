@@ -100,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="dp: threads in this process (default); ddp: DistributedDataParallel, "
                         "one process per device (gloo on CPU, nccl on CUDA); across machines run "
                         "python -m tui.torchrun under torchrun")
+    parser.add_argument("--balance", default="even", metavar="even|auto|W1,W2,...",
+                        help="how each batch is cut: even (torch's rule, default), auto (follow the "
+                        "measured times so no replica waits), or one weight per device")
     parser.add_argument("--headless", action="store_true", help="no UI: print the run as text")
     parser.add_argument("--json", action="store_true", help="with --headless: JSON Lines events")
     parser.add_argument("--every", type=_int_at_least("--every", 0), default=1, metavar="N",
@@ -132,6 +135,7 @@ def check_args(argv: Sequence[str] | None) -> Settings:
         from dpengine.distributed import torchrun_env
 
         note = "" if torchrun_env() else "no CUDA device found: using 2 CPU rank processes (gloo)"
+    args.balance = _parse_balance(args.balance, len(devices))
     if args.resume and not Path(args.resume).is_file():
         raise UsageError(f"--resume {args.resume}: no such checkpoint file")
     if args.log:
@@ -156,6 +160,15 @@ def _parse_devices(spec: str) -> tuple[tuple[str, ...], str]:
     except ValueError as error:
         raise UsageError(f"--devices: {error}") from None
     return tuple(device_name(d) for d in devices), ""
+
+
+def _parse_balance(text: str, device_count: int):
+    from dpengine.balance import parse_balance
+
+    try:
+        return parse_balance(text, device_count)
+    except ValueError as error:
+        raise UsageError(f"--balance: {error}") from None
 
 
 def make_trainer_factory(settings: Settings, headless: bool) -> RunFactory:
@@ -196,6 +209,7 @@ def make_trainer_factory(settings: Settings, headless: bool) -> RunFactory:
             telemetry_interval=None if args.no_telemetry else args.telemetry_interval,
             checkpoint=args.checkpoint,
             resume=resume,
+            balance=args.balance,
         )
         if args.backend == "ddp":
             from dpengine.distributed import DdpTrainer, WorkloadSpec

@@ -13,6 +13,7 @@ from dpengine.events import (
     RunConfig,
     RunFailed,
     RunFinished,
+    SplitChanged,
     StateChanged,
     StepFinished,
 )
@@ -39,6 +40,14 @@ def model_lines(event: StepFinished) -> list[str]:
 
 def config_line(event: ConfigChanged) -> str:
     return f"from step {event.step}: batch {event.batch_size} on {', '.join(event.devices)}"
+
+
+def split_line(event: SplitChanged) -> str:
+    """"from step 9: split auto, balancer: 40/40/20%" or "from step 1: split even"."""
+    shares = "/".join(f"{100 * w:.0f}" for w in event.weights)
+    who = ", balancer" if event.by_balancer else ""
+    words = f"{event.balance}{who}: {shares}%" if event.weights else event.balance
+    return f"from step {event.step}: split {words}"
 
 
 def state_line(event: StateChanged) -> str:

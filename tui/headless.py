@@ -13,6 +13,7 @@ from dpengine.events import (
     RunFailed,
     RunFinished,
     RunStarted,
+    SplitChanged,
     StateChanged,
     StepFinished,
 )
@@ -58,6 +59,8 @@ class TextPrinter:
             return [text.epoch_summary(event)]
         if isinstance(event, ConfigChanged):
             return [text.config_line(event)]
+        if isinstance(event, SplitChanged):
+            return [text.split_line(event)]
         if isinstance(event, StateChanged):
             return [text.state_line(event)]
         if isinstance(event, RunFinished):

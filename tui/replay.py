@@ -13,12 +13,20 @@ from __future__ import annotations
 import dataclasses
 import threading
 
-from dpengine.events import ConfigChanged, RunFailed, RunStarted, StateChanged, StepFinished, TelemetrySampled
+from dpengine.events import (
+    ConfigChanged,
+    RunFailed,
+    RunStarted,
+    SplitChanged,
+    StateChanged,
+    StepFinished,
+    TelemetrySampled,
+)
 
 from .state import ENDED, HISTORY_POINTS, LogLine, RunView, Snapshot
 
 # Before a rebuilt window: the latest of each kind tells what was in force at its start.
-_CONTEXT_KINDS = (RunStarted, ConfigChanged, StateChanged, TelemetrySampled)
+_CONTEXT_KINDS = (RunStarted, ConfigChanged, SplitChanged, StateChanged, TelemetrySampled)
 
 
 class ReplayView:

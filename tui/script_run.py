@@ -30,7 +30,7 @@ from dpengine.events import (
     StateChanged,
     TelemetrySampled,
 )
-from dpengine.run_protocol import BATCH_SIZE, DEVICES, PAUSE, ControlUnsupported
+from dpengine.run_protocol import BALANCE, BATCH_SIZE, DEVICES, PAUSE, ControlUnsupported
 from dpengine.script import wire
 
 from .script_events import DataParallelSeen, ScriptExited, ScriptOutput, ScriptStarted
@@ -161,6 +161,9 @@ class ScriptRun(Publisher):
 
     def set_batch_size(self, n: int) -> None:
         raise ControlUnsupported(BATCH_SIZE, BATCH_OWNED)
+
+    def set_balance(self, balance: str | tuple[float, ...]) -> None:
+        raise ControlUnsupported(BALANCE, "The script's DataParallel splits batches as the script built it.")
 
     def set_devices(self, devices: Sequence[str]) -> None:
         devices = tuple(devices)

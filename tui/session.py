@@ -86,6 +86,24 @@ class Session:
             return "The batch size is already 1."
         return self.set_batch_size(max(1, int(current * factor)))
 
+    def toggle_auto_balance(self) -> str | None:
+        """Auto-balance on, or back to torch's even split."""
+        return self._set_balance("even" if self.view.target_balance() == "auto" else "auto")
+
+    def set_weights(self, weights: Sequence[float]) -> str | None:
+        return self._set_balance(tuple(weights))
+
+    def _set_balance(self, balance) -> str | None:
+        trainer = self._steerable()
+        if isinstance(trainer, str):
+            return trainer
+        try:
+            trainer.set_balance(balance)
+        except ValueError as err:
+            return str(err)
+        self.view.request(balance=balance if isinstance(balance, str) else "weights")
+        return None
+
     def toggle_device(self, index: int) -> str | None:
         available = self.view.available_devices
         if not available:

@@ -22,6 +22,7 @@ from dpengine.events import (
     RunFailed,
     RunFinished,
     RunStarted,
+    SplitChanged,
     StateChanged,
     StepFinished,
     TelemetrySampled,
@@ -75,6 +76,7 @@ class DeviceView:
     peak_memory_bytes: int | None = None
     step_ms: tuple[float, ...] = ()
     sample: DeviceSample | None = None
+    steered: bool = False  # the auto-balancer sets its share
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +98,9 @@ class Snapshot:
     throughput_history: tuple[float, ...] = ()
     panels: tuple[DeviceView, ...] = ()
     notices: tuple[Notice, ...] = ()  # new since the last snapshot
+    balance: str = "even"  # even, auto or weights: how batches are cut now
+    replica_ms: float | None = None  # the last step's slowest replica, forward + backward
+    even_ms: float | None = None  # the same as predicted for an even split (auto-balance only)
 
 
 @dataclass(slots=True)
@@ -126,6 +131,8 @@ class RunView:
         self._pending_batch: int | None = None
         self._pending_devices: tuple[str, ...] | None = None
         self._pending_state: str | None = None  # "paused" or "running", asked for
+        self._balance = "even"
+        self._pending_balance: str | None = None  # "even", "auto" or "weights", asked for
         self._last_step: StepFinished | None = None
         self._throughput: float | None = None
         self._loss_history: deque[float] = deque(maxlen=HISTORY_POINTS)
@@ -206,6 +213,13 @@ class RunView:
         self._last_logged = None  # show the new split in the log at once
         self._event(text.config_line(event))
 
+    def _on_split(self, event: SplitChanged) -> None:
+        self._balance = event.balance
+        if self._pending_balance == event.balance:
+            self._pending_balance = None
+        self._last_logged = None  # show the new split in the log at once
+        self._event(text.split_line(event))
+
     def _on_finished(self, event: RunFinished) -> None:
         what = "stopped" if event.stopped else "finished"
         self._end(what)
@@ -222,7 +236,7 @@ class RunView:
 
     def _end(self, state: str) -> None:
         self._state = state
-        self._pending_batch = self._pending_devices = self._pending_state = None
+        self._pending_batch = self._pending_devices = self._pending_state = self._pending_balance = None
 
     def _event(self, text: str) -> None:
         self._log.append(LogLine(text, "event"))
@@ -264,12 +278,18 @@ class RunView:
         with self._lock:
             return self._pending_devices if self._pending_devices is not None else self._devices
 
+    def target_balance(self) -> str:
+        """even, auto or weights, after pending changes: what `a` toggles from."""
+        with self._lock:
+            return self._pending_balance or self._balance
+
     def target_paused(self) -> bool:
         with self._lock:
             return (self._pending_state or self._state) == "paused"
 
     def request(
-        self, *, batch_size: int | None = None, devices: Sequence[str] | None = None, state: str | None = None
+        self, *, batch_size: int | None = None, devices: Sequence[str] | None = None, state: str | None = None,
+        balance: str | None = None,
     ) -> None:
         """Note a change handed to the trainer, shown as pending until its event arrives."""
         with self._lock:
@@ -281,6 +301,9 @@ class RunView:
                 self._pending_devices = None if set(devices) == set(self._devices) else devices
             if state is not None:
                 self._pending_state = None if state == self._state else state
+            if balance is not None:
+                # Weights are always news: other weights than the ones in force.
+                self._pending_balance = None if balance == self._balance != "weights" else balance
 
     # -- pulled by the UI -------------------------------------------------------------
 
@@ -321,6 +344,9 @@ class RunView:
                 throughput_history=tuple(self._throughput_history),
                 panels=self._panels(config, step),
                 notices=notices,
+                balance=self._balance,
+                replica_ms=_slowest_replica_ms(step),
+                even_ms=step.record.even_ms if step else None,
             )
 
     def _shown_state(self) -> str:
@@ -336,6 +362,8 @@ class RunView:
             words.append("resume")
         if self._pending_batch is not None:
             words.append(f"batch {self._pending_batch}")
+        if self._pending_balance is not None:
+            words.append(f"split {self._pending_balance}")
         if self._pending_devices is not None:
             joining = [f"+{d}" for d in self._pending_devices if d not in self._devices]
             leaving = [f"-{d}" for d in self._devices if d not in self._pending_devices]
@@ -374,9 +402,16 @@ class RunView:
                     peak_memory_bytes=last.peak_memory_bytes if last else None,
                     step_ms=tuple(state.step_ms),
                     sample=sample,
+                    steered=active and self._balance == "auto",
                 )
             )
         return tuple(views)
+
+
+def _slowest_replica_ms(step: StepFinished | None) -> float | None:
+    if step is None or not step.record.replicas:
+        return None
+    return max(r.forward_ms + (r.backward_ms or 0.0) for r in step.record.replicas)
 
 
 _HANDLERS: dict[type, Callable[[RunView, object], None]] = {
@@ -386,6 +421,7 @@ _HANDLERS: dict[type, Callable[[RunView, object], None]] = {
     TelemetrySampled: RunView._on_telemetry,
     StateChanged: RunView._on_state,
     ConfigChanged: RunView._on_config,
+    SplitChanged: RunView._on_split,
     RunFinished: RunView._on_finished,
     RunFailed: RunView._on_failed,
 }

@@ -39,6 +39,8 @@ class ViewerApp(DptuiApp):
         Binding("b", "ask_batch", show=False),
         *(Binding(str(n), f"toggle_device({n - 1})", show=False) for n in range(1, 10)),
         Binding("d", "pick_devices", show=False),
+        Binding("a", "toggle_balance", show=False),
+        Binding("w", "ask_weights", show=False),
         Binding("r", "restart", show=False),
     ]
 
@@ -97,6 +99,11 @@ class ViewerApp(DptuiApp):
         self._refuse(lambda: self.recording.set_devices(self.recording.devices))
 
     action_pick_devices = action_toggle_device
+
+    def action_toggle_balance(self) -> None:
+        self._refuse(lambda: self.recording.set_balance("auto"))
+
+    action_ask_weights = action_toggle_balance
 
     def action_restart(self) -> None:
         self.notify("Cannot restart: this is a recording.", severity="warning")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..balance import Balance
 from ..pending import Change
 from ..workloads import Workload, load_workload
 
@@ -54,10 +55,11 @@ class RankConfig:
     generation: int = 0  # 0, then +1 per device change
     paused: bool = False  # steering state carried into this generation
     stop: bool = False
-    changes: tuple[Change, ...] = ()  # batch size / device changes not yet applied, oldest first
+    changes: tuple[Change, ...] = ()  # batch size / device / split changes not yet applied, oldest first
     store: tuple[str, int] | None = None  # the host's TCPStore (spawned ranks); None under torchrun
     store_prefix: str = ""  # this generation's keys on it
     torchrun: bool = False  # each rank's own device is cuda:LOCAL_RANK (names may differ)
+    balance: Balance = "even"  # how global batches are cut: even, auto, or one weight per rank
 
     @property
     def world_size(self) -> int:

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..balance import Balance, check_balance
 from ..checkpoint import Checkpoint
 from ..devices import DeviceLike, available_devices, device_name, resolve_devices
 from ..events import (
@@ -39,6 +40,7 @@ from ..events import (
     RunFailed,
     RunFinished,
     RunStarted,
+    SplitChanged,
     StepFinished,
     TelemetrySampled,
 )
@@ -82,6 +84,7 @@ class DdpTrainer(TrainerBase):
         resume: str | os.PathLike | Checkpoint | None = None,
         timeout: float = 30.0,
         startup_timeout: float = 120.0,
+        balance: Balance = "even",
     ) -> None:
         if not isinstance(workload, WorkloadSpec):
             raise TypeError(
@@ -117,6 +120,7 @@ class DdpTrainer(TrainerBase):
             chosen = resolve_devices(available) if available else available_devices(resolved)
             self._available = tuple(device_name(d) for d in chosen)
         self.backend = "nccl" if self._devices[0].startswith("cuda") else "gloo"
+        self._balance = check_balance(balance, len(self._devices))
 
         self._rank0: Connection | None = None
         self._group: SpawnedGroup | TorchrunGroup | None = None
@@ -144,6 +148,17 @@ class DdpTrainer(TrainerBase):
             )
         with self._lock:
             self._send_rank0(self._pending.ask(devices=resolved))
+
+    def set_balance(self, balance: Balance) -> None:
+        """"even", "auto" or one weight per rank, from the next step on (every rank alike)."""
+        balance = check_balance(balance, len(self._devices))
+        with self._lock:
+            self._send_rank0(self._pending.ask(balance=balance))
+
+    @property
+    def balance(self) -> Balance:
+        """What rank 0 last put in force (weights as shares of the batch)."""
+        return self._balance
 
     def _tell(self, command: str) -> None:
         self._send_rank0(Steer(command))
@@ -275,6 +290,7 @@ class DdpTrainer(TrainerBase):
                 store=None if self._torchrun is not None else ("127.0.0.1", self._store.port),
                 store_prefix=f"gen{generation}/",
                 torchrun=self._torchrun is not None,
+                balance=self._balance,
             )
             if self._torchrun is not None:
                 group = self._torchrun_group(config)
@@ -368,6 +384,10 @@ class DdpTrainer(TrainerBase):
             with self._lock:
                 self._batch_size = event.batch_size
                 self._devices = tuple(event.devices)
+        if isinstance(event, SplitChanged) and not event.by_balancer:
+            with self._lock:
+                # What a restart for a device change carries on with (rank 0 already checked it fits).
+                self._balance = event.weights if event.balance == "weights" else event.balance
         self._publish(event)
         if isinstance(event, StepFinished):
             with self._lock:

@@ -3,7 +3,7 @@
 host -> rank 0 (over its channel; `channel.py`):
   RankConfig                  the first message to every spawned rank (config.py)
   Steer("pause"|"resume"|"stop")
-  Change(seq, batch_size | devices)   a batch size or device change (dpengine/pending.py)
+  Change(seq, batch_size | devices | balance)   a batch size, device or split change (dpengine/pending.py)
   Published(step)             step N's subscribers have run: rank 0 may start step N+1
 rank -> host (handled in `DdpTrainer._pump`, ddp_trainer.py):
   Ready, Forward(event), Finished(result), Restart(...)   each with `acked`, the newest
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..balance import Balance
 from ..events import Event, RunFinished
 from ..pending import Change
 
@@ -88,3 +89,4 @@ class Decision:
     telemetry: bool = False  # sample now
     batch: int | None = None  # the global batch size from now on
     devices: tuple[str, ...] | None = None  # with "restart"
+    balance: Balance | None = None  # how global batches are cut from now on, when that changes

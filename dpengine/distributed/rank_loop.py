@@ -3,7 +3,10 @@
 Every rank walks the same shuffled order of global batches (`torch.randperm` seeded by the
 run's seed and the epoch, as `Trainer`) and takes its chunk of each global batch by
 torch.chunk's rule (`even_sizes`), so rank r gets what replica r gets in the threaded
-backend. A rank's loss is its chunk's loss times world_size * chunk / batch: DDP averages
+backend; with `balance` weights, or auto-balance (every rank feeds its own copy of the
+deterministic `Balancer` the same all-gathered rows and forward times, so all derive the same
+weights), the chunks follow `balanced_sizes` / `weighted_sizes` as DataParallel's. A rank's
+loss is its chunk's loss times world_size * chunk / batch: DDP averages
 gradients over ranks, so the result is the gradient of the whole batch's mean loss, as the
 threaded backend computes it (for a loss that is a mean over rows, as every built-in
 one is). A rank left without a chunk (batch 2 on 3 ranks) runs its model on zero rows and
@@ -36,16 +39,17 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from ..balance import Balance, Balancer, BalancePlan, balance_name, balanced_sizes, normalized
 from ..batches import batch_of, move_optimizer_state, to_device
 from ..checkpoint import as_checkpoint, restore_restart, restore_run, save_restart
 from ..devices import parse_device
 from ..epoch_loop import Boundary, EpochLoop
-from ..events import ConfigChanged, EpochFinished, Event, StateChanged, TelemetrySampled
+from ..events import ConfigChanged, EpochFinished, Event, SplitChanged, StateChanged, TelemetrySampled
 from ..instrument import ReplicaProbe, tensors_of
 from ..pending import Change, PendingChanges
 from ..records import StepRecord
 from ..run_state import RunState
-from ..scatter_gather import even_sizes
+from ..scatter_gather import even_sizes, weighted_sizes
 from ..telemetry.rank import RankTelemetry
 from ..telemetry.sample import DeviceSample
 from .channel import error_report
@@ -102,6 +106,10 @@ class RankLoop(EpochLoop):
         self._last_sample = -math.inf
         self._sample_now = False  # this step's boundary asked every rank for a telemetry sample
         self._telemetry: RankTelemetry | None = None
+        balance = config.balance
+        if not isinstance(balance, str) and len(balance) != self.world:
+            balance = "even"  # weights for another set of devices
+        self._set_balance(balance)
         for change in config.changes:
             self._apply(change)
 
@@ -193,6 +201,8 @@ class RankLoop(EpochLoop):
     # -- the loop (EpochLoop.train_epochs, as Trainer's) ---------------------------------
 
     def _train(self) -> None:
+        if self._balance != "even" or self.cfg.balance != "even":
+            self._announce_split(self._run.step + 1)
         result = self.train_epochs()
         if result is not None:
             self._send(Finished(result, self._acked))  # rank 0's only: others have no host
@@ -226,6 +236,9 @@ class RankLoop(EpochLoop):
             return Boundary.HAND_OVER
         if decision.batch is not None:
             self._batch_size = decision.batch
+        if decision.balance is not None:
+            self._set_balance(decision.balance)
+            self._announce_split(self._run.step + 1)
         self._sample_now = decision.telemetry
         return Boundary.STEP
 
@@ -256,9 +269,15 @@ class RankLoop(EpochLoop):
         self._acked = taken.seq
         batch = taken.batch_size or self._batch_size
         if taken.devices is not None and taken.devices != self.devices:
+            if taken.balance is not None:
+                # The next generation starts with it (the host keeps what this says).
+                step = self._run.step + 1
+                self._event(SplitChanged(step, balance_name(taken.balance), _weights_of(taken.balance)))
             return Decision("restart", batch=batch, devices=taken.devices)
+        if taken.batch_size is None and taken.devices is None:
+            return Decision("step", telemetry=self._sample_due(), balance=taken.balance)
         self._event(ConfigChanged(batch, self.devices, self._run.step + 1))
-        return Decision("step", telemetry=self._sample_due(), batch=batch)
+        return Decision("step", telemetry=self._sample_due(), batch=batch, balance=taken.balance)
 
     def _drain(self, timeout: float, until: Callable[[], bool] | None = None) -> None:
         """Apply every command the host sent; wait up to `timeout` for the first (or for `until`)."""
@@ -282,7 +301,9 @@ class RankLoop(EpochLoop):
             else:
                 self._paused = message.command == "pause"
         elif isinstance(message, Change):
-            self._pending.ask(batch_size=message.batch_size, devices=message.devices, seq=message.seq)
+            self._pending.ask(
+                batch_size=message.batch_size, devices=message.devices, balance=message.balance, seq=message.seq
+            )
         elif isinstance(message, Published):
             if self._awaiting is not None and message.step >= self._awaiting:
                 self._awaiting = None
@@ -304,7 +325,7 @@ class RankLoop(EpochLoop):
         run, dataset = self._run, self.workload.dataset
         started = time.perf_counter()
         rows = len(indices)
-        sizes = even_sizes(rows, self.world)
+        sizes = self._sizes(rows)
         mine = sizes[self.rank] if self.rank < len(sizes) else 0
         first = sum(sizes[: self.rank])
         if mine:
@@ -330,6 +351,8 @@ class RankLoop(EpochLoop):
         backward_done = time.perf_counter()
         self._optimizer.step()
         share = loss.item() * mine / rows if loss is not None else 0.0
+        split, weights, balanced = self._split_kind()  # before _observe may change it
+        plan = self._observe(sizes, (forward_done - loaded) * 1000.0) if self._balancer is not None else None
 
         sample = self._sample() if self._sample_now else None
         payload = {
@@ -365,7 +388,11 @@ class RankLoop(EpochLoop):
             gather_ms=gather_ms,  # the records reaching rank 0
             total_ms=(forward_done - started) * 1000.0,
             backward_ms=max(p["backward_ms"] for p in gathered),  # with the gradient all-reduce
+            split=split, split_weights=weights, balanced=balanced,
+            even_ms=plan.even_ms if plan is not None else None,
         )
+        if plan is not None and plan.changed:
+            self._event(SplitChanged(run.step + 1, "auto", plan.weights, by_balancer=True))
         self._event(
             run.step_event(
                 rows, loss_value, samples=len(dataset), batch_size=self._batch_size, seconds=seconds,
@@ -376,6 +403,47 @@ class RankLoop(EpochLoop):
         samples = tuple(p["sample"] for p in gathered if p["sample"] is not None)
         if samples:
             self._event(TelemetrySampled(samples))
+
+    # -- how global batches are cut -----------------------------------------------------
+
+    def _set_balance(self, balance: Balance) -> None:
+        self._balance = balance
+        self._weights = _weights_of(balance)  # () while torch's even rule cuts
+        self._by_balancer = False
+        self._balancer = Balancer(self.world) if balance == "auto" and self.world > 1 else None
+
+    def _announce_split(self, step: int) -> None:
+        self._event(SplitChanged(step, balance_name(self._balance), self._weights))
+
+    def _sizes(self, rows: int) -> list[int]:
+        """Every rank's rows of this global batch: the same rule as DataParallel's split."""
+        if not self._weights:
+            return even_sizes(rows, self.world)
+        if self._by_balancer:
+            return balanced_sizes(rows, self._weights, self._balancer.min_rows)
+        return weighted_sizes(rows, self._weights)
+
+    def _split_kind(self) -> tuple[str, tuple[float, ...], bool]:
+        if not self._weights:
+            return "even", (), False
+        return ("auto", self._weights, True) if self._by_balancer else ("weights", self._weights, False)
+
+    def _observe(self, sizes: list[int], forward_ms: float) -> BalancePlan | None:
+        """Feed every rank's rows and forward time to this rank's balancer (all ranks alike).
+
+        Forward only: a rank's backward includes waiting in the gradient all-reduce for the
+        slowest rank, which would make every rank look as slow as that one.
+        """
+        own = torch.tensor([forward_ms], dtype=torch.float64)
+        if self.cfg.backend == "nccl":
+            own = own.to(self.device)
+        times = [torch.zeros_like(own) for _ in range(self.world)]
+        dist.all_gather(times, own)
+        rows = list(sizes) + [0] * (self.world - len(sizes))
+        plan = self._balancer.observe(rows, [float(t.item()) for t in times])
+        if plan is not None and plan.changed:
+            self._weights, self._by_balancer = plan.weights, True
+        return plan
 
     # -- device changes: hand the state to the next generation -------------------------
 
@@ -430,6 +498,10 @@ def _own_device(config: RankConfig, rank: int, local_rank: int | None) -> torch.
             return torch.device("cuda", local_rank if local_rank is not None else 0)
         return parse_device(config.devices[rank])
     return torch.device("cpu", rank)
+
+
+def _weights_of(balance: Balance) -> tuple[float, ...]:
+    return () if isinstance(balance, str) else normalized(balance)
 
 
 def _nothing() -> None:

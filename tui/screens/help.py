@@ -28,7 +28,7 @@ class HelpScreen(ModalScreen[None]):
         table.add_column()
         rows: dict[str, list[str]] = {}  # one row per key: space pauses or resumes
         for binding in self._keys:
-            if binding.show:
+            if binding.show or binding.tooltip:  # keys kept out of the Footer still belong here
                 rows.setdefault(binding.key_display or binding.key, []).append(binding.tooltip or binding.description)
         for key, texts in rows.items():
             table.add_row(key, "; ".join(texts))

@@ -19,7 +19,7 @@ def _line(label: str, *parts: Text | str) -> Text:
     return Text.assemble((f"{label:<{LABEL_WIDTH}} ", "dim"), *parts, no_wrap=True, overflow="ellipsis")
 
 
-def _bar_line(label: str, value: str, total: float, completed: float, width: int) -> Text:
+def _bar_line(label: str, value: str | Text, total: float, completed: float, width: int) -> Text:
     """label, value, then a bar over the rest of the width (drawn as Rich's ProgressBar draws it)."""
     line = _line(label, value, " ")
     room = max(width - line.cell_len, 0)
@@ -74,7 +74,11 @@ def _telemetry_lines(view: DeviceView, width: int) -> list[Text]:
 def body_lines(view: DeviceView, width: int) -> list[Text]:
     """The panel's lines above its step times, most telling first (a short panel shows the first few)."""
     if view.chunk is not None and view.step_batch:
-        chunk = _bar_line("chunk", f"{view.chunk}/{view.step_batch}", view.step_batch, view.chunk, width)
+        # The device's share of the batch; "auto" while the balancer sets it.
+        share = Text(f"{view.chunk}/{view.step_batch} {100 * view.chunk / view.step_batch:.0f}%")
+        if view.steered:
+            share.append(" auto", "bold magenta")
+        chunk = _bar_line("chunk", share, view.step_batch, view.chunk, width)
     else:
         chunk = _line("chunk", Text("not in the last step" if view.active else "not in the run", style="dim"))
     if view.peak_memory_bytes is not None and view.memory_bytes is not None:

@@ -32,7 +32,12 @@ def status_text(snap: Snapshot, width: int) -> Text:
     state = Text(f"● {snap.state}", style=STATE_STYLES.get(snap.state, ""))
     if snap.pending:
         state.append(f": {snap.pending}", style="magenta")
+    timing = []
+    if snap.replica_ms is not None and snap.even_ms is not None:
+        # What auto-balance buys: the slowest replica now, and as an even split would predict it.
+        timing = [Text(f"step {fmt.ms(snap.replica_ms)} ms (even ~{fmt.ms(snap.even_ms)})")]
     health = sep.join([
+        *timing,
         Text(f"{fmt.rate(snap.samples_per_s)} samples/s"),
         Text(f"loss {fmt.loss(snap.loss)}"),
         state,

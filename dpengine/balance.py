@@ -1,0 +1,212 @@
+"""Auto-balance: cut each batch so that no replica waits for another.
+
+`Balancer` is pure: fed each step's chunk sizes and per-replica times, it estimates every
+device's time per row (ratio of sums over the recent steps, so a noisy step weighs little) and
+proposes weights, one per device, under which the predicted slowest replica finishes earliest.
+It adopts them only when that prediction beats the current split's by `margin` (hysteresis),
+so measurement noise does not make the split oscillate. Weights, not sizes: the same plan cuts
+any batch, including an epoch's smaller last one (`balanced_sizes`).
+
+Both backends use it: `DataParallel(balance="auto")` feeds it from its own step records, and
+every DDP rank feeds an identical copy from timings gathered to all ranks, so all ranks derive
+the same split.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .scatter_gather import Split, even_sizes, weighted_sizes
+
+WARMUP_STEPS = 2  # the first steps pay for thread start-up and allocator growth: ignored
+MIN_STEPS = 3  # steps measured at the current split before deciding
+WINDOW = 8  # recent steps the per-row estimate is taken over
+MARGIN = 0.05  # a new split must be predicted this much faster than the current one
+
+Balance = str | tuple[float, ...]  # "even", "auto", or one weight per device
+
+
+@dataclass(frozen=True, slots=True)
+class BalancePlan:
+    """The balancer's view after a step, for the record and the UI."""
+
+    weights: tuple[float, ...]  # per device slot, summing to 1
+    changed: bool  # this step's measurements made the balancer adopt `weights`
+    predicted_ms: float  # the slowest replica's time under `weights`, for the last batch
+    even_ms: float  # the same under torch's even split
+
+
+def parse_balance(text: str, device_count: int | None = None) -> Balance:
+    """"even", "auto", or weights "W1,W2,..." (one per device when `device_count` is given).
+
+    Raises ValueError with one line saying what would be right.
+    """
+    text = text.strip()
+    if text in ("even", "auto"):
+        return text
+    parts = [p.strip() for p in text.split(",")]
+    try:
+        weights = tuple(float(p) for p in parts)
+    except ValueError:
+        raise ValueError(f"expected even, auto or weights like 2,1,1, not {text!r}") from None
+    if any(not (math.isfinite(w) and w >= 0) for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"weights {text!r} must be non-negative numbers, not all zero")
+    if device_count is not None and len(weights) != device_count:
+        raise ValueError(f"{len(weights)} weights {text!r} for {device_count} devices: give one per device")
+    return weights
+
+
+def check_balance(balance: Balance, device_count: int) -> Balance:
+    """`balance` if it fits `device_count` devices (one weight each); a ValueError otherwise."""
+    if not isinstance(balance, str) and len(balance) != device_count:
+        raise ValueError(f"{len(balance)} weights for {device_count} devices: give one per device")
+    return balance
+
+
+def balanced_sizes(rows: int, weights: Sequence[float], min_rows: int = 1) -> list[int]:
+    """Rows per device minimizing the largest rows/weight, each at least `min_rows` when they fit.
+
+    With fewer rows than that needs, the rows go by weight alone (some devices get none).
+    """
+    count = len(weights)
+    if min_rows * count > rows or any(w <= 0 for w in weights):
+        return weighted_sizes(rows, weights)
+    total = sum(weights)
+    sizes = [max(min_rows, math.floor(rows * w / total)) for w in weights]
+    # At most `count` rows to move either way: give each to where it costs least.
+    while sum(sizes) < rows:
+        i = min(range(count), key=lambda k: ((sizes[k] + 1) / weights[k], k))
+        sizes[i] += 1
+    while sum(sizes) > rows:
+        i = max((k for k in range(count) if sizes[k] > min_rows), key=lambda k: (sizes[k] / weights[k], -k))
+        sizes[i] -= 1
+    return sizes
+
+
+class BalancedSplit(Split):
+    """The balancer's split: every batch cut by `balanced_sizes` (a Split with `weights` may leave a device none)."""
+
+    def __init__(self, weights: Sequence[float], min_rows: int = 1) -> None:
+        super().__init__(len(weights), weights=weights)
+        self.min_rows = min_rows
+
+    def plan(self, rows: int) -> list[tuple[int, int]]:
+        sizes = balanced_sizes(rows, self.weights, self.min_rows)
+        plan = [(slot, size) for slot, size in enumerate(sizes) if size > 0]
+        return plan or [(slot, 0) for slot in range(self.device_count)]
+
+
+class Balancer:
+    """Per-row time estimates and the weights they call for; one instance per device set.
+
+    Pure and deterministic: the same observations give the same decisions (DDP relies on it).
+    """
+
+    def __init__(
+        self, device_count: int, *, allow_zero: bool = False, warmup: int = WARMUP_STEPS,
+        min_steps: int = MIN_STEPS, window: int = WINDOW, margin: float = MARGIN,
+    ) -> None:
+        if device_count < 1:
+            raise ValueError("the balancer needs at least one device")
+        self.device_count = device_count
+        self.min_rows = 0 if allow_zero else 1
+        self.margin = margin
+        self._warmup = warmup
+        self._min_steps = min_steps
+        self._history: deque[tuple[tuple[int, ...], tuple[float, ...]]] = deque(maxlen=window)
+        self.weights: tuple[float, ...] = (1.0 / device_count,) * device_count
+        self.changes = 0
+        # Each device's last estimate: one left without rows (allow_zero) keeps its rate.
+        self._rates: list[float | None] = [None] * device_count
+
+    def observe(self, chunk_sizes: Sequence[int], times_ms: Sequence[float]) -> BalancePlan | None:
+        """Take one step's rows and time per device slot (0 rows: not in that step).
+
+        Returns the plan once there are enough measurements (None before); `changed` is set
+        when the balancer adopted new weights, which then hold from the next step on.
+        """
+        if len(chunk_sizes) != self.device_count or len(times_ms) != self.device_count:
+            raise ValueError(f"one chunk size and one time per device ({self.device_count}) expected")
+        if self._warmup > 0:
+            self._warmup -= 1
+            return None
+        self._history.append((tuple(int(n) for n in chunk_sizes), tuple(float(t) for t in times_ms)))
+        rates = self.per_row_ms()
+        if rates is None:
+            return None
+        rows = sum(chunk_sizes)
+        current = self.predict_ms(rows, self.weights, rates)
+        even = _slowest(even_sizes(rows, self.device_count) + [0] * self.device_count, rates)
+        if len(self._history) < self._min_steps:
+            return BalancePlan(self.weights, False, current, even)
+        candidate = self._ideal_weights(rates)
+        predicted = self.predict_ms(rows, candidate, rates)
+        if predicted >= current * (1.0 - self.margin):
+            return BalancePlan(self.weights, False, current, even)
+        self.weights = candidate
+        self.changes += 1
+        # What was measured under the old split says little about the new one's fixed costs.
+        self._history.clear()
+        return BalancePlan(candidate, True, predicted, even)
+
+    def per_row_ms(self) -> tuple[float, ...] | None:
+        """Each device's smoothed time per row; None until every device has run some rows.
+
+        A device without rows in the window keeps its last estimate.
+        """
+        rows = [0] * self.device_count
+        times = [0.0] * self.device_count
+        for sizes, spent in self._history:
+            for i, (n, t) in enumerate(zip(sizes, spent)):
+                if n > 0:
+                    rows[i] += n
+                    times[i] += t
+        for i, n in enumerate(rows):
+            if n:
+                self._rates[i] = times[i] / n
+        if any(r is None for r in self._rates):
+            return None
+        return tuple(self._rates)
+
+    def predict_ms(self, rows: int, weights: Sequence[float], rates: Sequence[float]) -> float:
+        """The slowest replica's predicted time for a batch of `rows` cut by `weights`."""
+        return _slowest(balanced_sizes(rows, weights, self.min_rows), rates)
+
+    def _ideal_weights(self, rates: Sequence[float]) -> tuple[float, ...]:
+        # Equal finishing times: rows in inverse proportion to each device's time per row.
+        speeds = [1.0 / max(r, 1e-9) for r in rates]
+        total = sum(speeds)
+        return tuple(s / total for s in speeds)
+
+
+def _slowest(sizes: Sequence[int], rates: Sequence[float]) -> float:
+    return max((n * r for n, r in zip(sizes, rates)), default=0.0)
+
+
+def describe_split(split: Split | None) -> tuple[str, tuple[float, ...], bool]:
+    """(kind, weights summing to 1, chosen by the balancer) of a split, for step records."""
+    if split is None or (split.chunk_sizes is None and split.weights is None):
+        return "even", (), False
+    if split.chunk_sizes is not None:
+        return "sizes", (), False
+    by_balancer = isinstance(split, BalancedSplit)
+    return ("auto" if by_balancer else "weights"), normalized(split.weights), by_balancer
+
+
+def split_options(balance: Balance) -> dict:
+    """DataParallel/set_split keyword arguments for a `parse_balance` value."""
+    if isinstance(balance, str):
+        return {"balance": balance}
+    return {"balance": "weighted", "weights": list(balance)}
+
+
+def balance_name(balance: Balance) -> str:
+    return balance if isinstance(balance, str) else "weights"
+
+
+def normalized(weights: Sequence[float]) -> tuple[float, ...]:
+    total = sum(weights)
+    return tuple(w / total for w in weights)

@@ -1,0 +1,206 @@
+"""Auto-balance: the pure planner on synthetic timings, then DataParallel on a slow virtual device."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from dpengine import DataParallel
+from dpengine.balance import BalancedSplit, Balancer, balanced_sizes, describe_split, parse_balance
+
+from fixtures.slow_device import SlowOnDevice
+
+
+def simulate(balancer: Balancer, rates, steps: int, rows: int = 60, noise: float = 0.0, seed: int = 0):
+    """Run `steps` synthetic steps: each replica takes rows * its rate (ms), times (1 +- noise)."""
+    rng = random.Random(seed)
+    sizes = None
+    for _ in range(steps):
+        sizes = balanced_sizes(rows, balancer.weights)
+        times = [n * r * (1 + rng.uniform(-noise, noise)) for n, r in zip(sizes, rates)]
+        balancer.observe(sizes, times)
+    return balanced_sizes(rows, balancer.weights)
+
+
+def best_offline(rows: int, rates) -> float:
+    """The best split by brute force over every (a, b, rest) for 3 devices."""
+    return min(
+        max(a * rates[0], b * rates[1], (rows - a - b) * rates[2])
+        for a in range(1, rows) for b in range(1, rows - a)
+    )
+
+
+# -- sizes ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows", [3, 7, 30, 61, 1000])
+def test_balanced_sizes_sum_to_the_batch_with_a_row_each(rows):
+    sizes = balanced_sizes(rows, [0.98, 0.01, 0.01])
+    assert sum(sizes) == rows
+    assert min(sizes) >= 1
+
+
+def test_balanced_sizes_minimize_the_slowest():
+    rates = [1.0, 1.0, 2.0]
+    sizes = balanced_sizes(60, [1 / r for r in rates])
+    assert sizes == [24, 24, 12]
+    assert max(n * r for n, r in zip(sizes, rates)) == best_offline(60, rates)
+
+
+def test_too_few_rows_go_by_weight_and_zero_is_allowed_when_asked():
+    assert balanced_sizes(2, [0.5, 0.3, 0.2]) == [1, 1, 0]
+    assert balanced_sizes(10, [0.99, 0.01], min_rows=0) == [10, 0]
+
+
+def test_balanced_split_cuts_a_smaller_last_batch_by_the_same_weights():
+    split = BalancedSplit([0.4, 0.4, 0.2])
+    assert split.plan(60) == [(0, 24), (1, 24), (2, 12)]
+    assert split.plan(10) == [(0, 4), (1, 4), (2, 2)]
+    assert describe_split(split) == ("auto", pytest.approx((0.4, 0.4, 0.2)), True)
+
+
+def test_parse_balance():
+    assert parse_balance("auto") == "auto"
+    assert parse_balance(" even ") == "even"
+    assert parse_balance("2,1,1", 3) == (2.0, 1.0, 1.0)
+    for bad, count in [("fast", None), ("1,x", None), ("0,0", None), ("-1,2", None), ("1,2", 3), ("nan,1", None)]:
+        with pytest.raises(ValueError):
+            parse_balance(bad, count)
+
+
+# -- the planner ----------------------------------------------------------------------------
+
+
+def test_nothing_changes_during_warm_up():
+    balancer = Balancer(3)
+    for _ in range(4):
+        plan = balancer.observe([20, 20, 20], [20.0, 20.0, 40.0])
+    assert plan is not None and not plan.changed
+    assert balancer.changes == 0
+    plan = balancer.observe([20, 20, 20], [20.0, 20.0, 40.0])
+    assert plan.changed and balancer.changes == 1
+
+
+def test_converges_to_the_best_split():
+    rates = [1.0, 1.0, 2.0]
+    balancer = Balancer(3)
+    sizes = simulate(balancer, rates, steps=30, noise=0.05)
+    slowest = max(n * r for n, r in zip(sizes, rates))
+    assert slowest <= 1.1 * best_offline(60, rates)
+    assert sizes[2] < sizes[0] and sizes[2] < sizes[1]
+
+
+def test_reports_the_even_split_it_improves_on():
+    balancer = Balancer(3, warmup=0, min_steps=1)
+    plan = balancer.observe([20, 20, 20], [20.0, 20.0, 40.0])
+    assert plan.changed
+    assert plan.even_ms == pytest.approx(40.0)
+    assert plan.predicted_ms == pytest.approx(24.0)
+
+
+def test_stays_put_once_converged_despite_noise():
+    balancer = Balancer(3)
+    simulate(balancer, [1.0, 1.0, 2.0], steps=30, noise=0.05)
+    converged = balancer.changes
+    simulate(balancer, [1.0, 1.0, 2.0], steps=500, noise=0.05, seed=1)
+    assert balancer.changes - converged <= 500 // 50
+
+
+def test_recovers_when_the_slow_device_becomes_fast():
+    balancer = Balancer(3)
+    simulate(balancer, [1.0, 1.0, 2.0], steps=30)
+    sizes = simulate(balancer, [1.0, 1.0, 1.0], steps=30)
+    assert sizes == [20, 20, 20]
+
+
+def test_same_observations_same_decisions():
+    """What DDP relies on: every rank's copy decides alike."""
+    first, second = Balancer(3), Balancer(3)
+    assert simulate(first, [1.0, 3.0, 1.5], 40, noise=0.1) == simulate(second, [1.0, 3.0, 1.5], 40, noise=0.1)
+    assert first.weights == second.weights
+
+
+# -- DataParallel(balance="auto") ------------------------------------------------------------
+
+DEVICES = ["cpu:0", "cpu:1", "cpu:2"]
+
+
+def test_data_parallel_balances_a_slow_device_and_records_it():
+    torch.manual_seed(0)
+    model = SlowOnDevice({"cpu:2": 1.0}, base_ms_per_row=0.5)
+    dp = DataParallel(model, DEVICES, balance="auto")
+    assert dp.balancing
+    records = []
+    dp.subscribe(records.append)
+    x = torch.randn(30, 5)
+    for _ in range(12):
+        dp(x).sum().backward()
+    first, last = records[0], records[-1]
+    assert first.split == "even" and not first.balanced and first.chunk_sizes == (10, 10, 10)
+    assert last.split == "auto" and last.balanced
+    # cpu:2 is 3x slower per row: it must end with clearly fewer rows than the others.
+    assert last.chunk_sizes[2] < 10 and last.chunk_sizes[2] < min(last.chunk_sizes[:2])
+    assert sum(last.chunk_sizes) == 30
+    assert last.even_ms is not None and last.even_ms > 0
+    assert sum(last.split_weights) == pytest.approx(1.0)
+    dp.close()
+
+
+def test_setting_a_split_by_hand_ends_auto_balance():
+    dp = DataParallel(torch.nn.Linear(5, 2), DEVICES, balance="auto")
+    dp.set_split(balance="weighted", weights=[2, 1, 1])
+    assert not dp.balancing
+    dp(torch.randn(8, 5))
+    record = dp.last_step
+    assert (record.split, record.chunk_sizes, record.balanced) == ("weights", (4, 2, 2), False)
+    dp.close()
+
+
+def test_auto_refuses_sizes_or_weights():
+    with pytest.raises(ValueError, match="auto"):
+        DataParallel(torch.nn.Linear(5, 2), DEVICES, balance="auto", weights=[1, 1, 1])
+
+
+@pytest.mark.parametrize("weights", [(0.6, 0.3, 0.1), (0.1, 0.1, 0.8)])
+def test_gradients_do_not_depend_on_the_split(weights):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    x, y = torch.randn(30, 5), torch.randn(30, 2)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    dp = DataParallel(model, DEVICES)
+    dp.set_split(balance="auto")
+    dp._split = BalancedSplit(weights)  # what the balancer would set
+    torch.nn.functional.mse_loss(dp(x), y).backward()
+    assert dp.last_step.chunk_sizes != (10, 10, 10)
+    for got, want in zip((p.grad for p in model.parameters()), expected):
+        torch.testing.assert_close(got, want)
+    dp.close()
+
+
+def test_data_parallel_recovers_when_the_slow_device_becomes_fast():
+    torch.manual_seed(0)
+    ms_per_row = {"cpu:2": 1.5}
+    dp = DataParallel(SlowOnDevice(ms_per_row, base_ms_per_row=0.5), DEVICES, balance="auto")
+    x = torch.randn(30, 5)
+    for _ in range(12):
+        dp(x).sum().backward()
+    assert dp.last_step.chunk_sizes[2] <= 6
+    ms_per_row.clear()  # cpu:2 is as fast as the others now
+    for _ in range(20):
+        dp(x).sum().backward()
+    # Back to about a third each (generous: a loaded machine adds noise to every sleep).
+    assert dp.last_step.chunk_sizes[2] >= 8
+    dp.close()
+
+
+def test_with_zero_rows_allowed_a_device_left_without_rows_keeps_its_estimate():
+    balancer = Balancer(2, allow_zero=True, warmup=0, min_steps=1)
+    plan = balancer.observe([5, 5], [5.0, 500.0])  # device 1 is 100x slower per row
+    assert plan.changed and balanced_sizes(10, balancer.weights, balancer.min_rows) == [10, 0]
+    for _ in range(5):  # it gets no rows now, and the balancer goes on deciding from the rest
+        plan = balancer.observe([10, 0], [10.0, 0.0])
+    assert plan is not None and not plan.changed and balancer.per_row_ms() == (1.0, 100.0)

@@ -1,0 +1,113 @@
+"""Auto-balance in the UI: keys a and w, each panel's share and marker, the status bar's prediction."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+from textual.widgets import Input
+
+from dpengine.events import SplitChanged
+from tui.app import DptuiApp
+from tui.screens.weights import WeightsScreen
+from tui.session import Session
+from tui.state import DeviceView, RunView
+from tui.widgets.device_panel import body_lines
+from tui.widgets.status_bar import status_text
+from ui_fakes import ScriptedTrainer, demo_events, factory_of, step_event
+
+DEVICES = ("cpu:0", "cpu:1", "cpu:2")
+
+
+async def until(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {condition}"
+        await asyncio.sleep(0.02)
+
+
+def test_split_changes_show_in_the_view_the_panels_and_the_status_bar():
+    view = RunView(lambda: 0.0)
+    view.feed(demo_events(DEVICES, epochs=0)[0])
+    view.feed(SplitChanged(1, "auto"))
+    step = step_event(6, 1, 6, 10, 60, DEVICES)
+    record = dataclasses.replace(step.record, even_ms=12.5, balanced=True, split="auto")
+    view.feed(dataclasses.replace(step, record=record))
+    snap = view.snapshot()
+    assert snap.balance == "auto" and snap.even_ms == 12.5
+    assert all(p.steered for p in snap.panels)
+    text = status_text(snap, 200).plain
+    assert "(even ~12.5)" in text and "step " in text
+    line = body_lines(snap.panels[0], 50)[0].plain
+    assert line.startswith("chunk 20/60 33% auto ")
+    view.feed(SplitChanged(7, "even"))
+    assert not any(p.steered for p in view.snapshot().panels)
+    assert any("split auto" in line.text for line in view.take_log())
+
+
+def test_panel_without_balancer_shows_the_share_and_no_marker():
+    view = DeviceView(0, "cpu:0", "virtual", True, chunk=15, step_batch=30)
+    assert body_lines(view, 40)[0].plain.startswith("chunk 15/30 50% ━")
+
+
+def test_session_toggles_auto_balance_and_shows_it_pending():
+    view = RunView(lambda: 0.0)
+    view.feed(demo_events(DEVICES, epochs=0)[0])
+    trainer = ScriptedTrainer([])
+    session = Session(view)
+    session.attach(trainer)
+    assert session.toggle_auto_balance() is None
+    assert view.snapshot().pending == "split auto"
+    assert session.toggle_auto_balance() is None  # from the pending auto back to even
+    assert trainer.calls == [("set_balance", "auto"), ("set_balance", "even")]
+    view.feed(SplitChanged(2, "even"))
+    assert view.snapshot().pending == ""
+
+
+async def test_a_toggles_and_w_types_weights():
+    trainer = ScriptedTrainer(demo_events(DEVICES, epochs=1))
+    app = DptuiApp(factory_of(trainer))
+    async with app.run_test() as pilot:
+        await until(trainer.published.is_set)
+        app.refresh_view()
+        await pilot.pause()
+        await pilot.press("a")
+        assert ("set_balance", "auto") in trainer.calls
+        assert "split auto" in str(app.status.content)
+        await pilot.press("w")
+        await until(lambda: isinstance(app.screen, WeightsScreen))
+        app.screen.query_one(Input).value = "2,1"
+        await pilot.press("enter")
+        assert isinstance(app.screen, WeightsScreen)
+        assert "3 devices" in str(app.screen.query_one("#weights-error").content)
+        await pilot.press("a")  # typed into the dialog: must not toggle
+        assert trainer.calls.count(("set_balance", "auto")) == 1
+        app.screen.query_one(Input).value = "2,1,1"
+        await pilot.press("enter")
+        await until(lambda: not isinstance(app.screen, WeightsScreen))
+        assert trainer.calls[-1] == ("set_balance", (2.0, 1.0, 1.0))
+        await pilot.press("q")
+
+
+async def test_help_lists_a_and_w():
+    import io
+
+    from rich.console import Console
+    from textual.widgets import Static
+
+    from tui.screens.help import HelpScreen
+
+    trainer = ScriptedTrainer(demo_events(DEVICES, epochs=1))
+    app = DptuiApp(factory_of(trainer))
+    async with app.run_test() as pilot:
+        await until(trainer.published.is_set)
+        await pilot.press("question_mark")
+        await until(lambda: isinstance(app.screen, HelpScreen))
+        console = Console(width=100, file=io.StringIO(), record=True)
+        for static in app.screen.query(Static):
+            console.print(static.content)
+        text = console.export_text()
+        assert "Auto-balance the split" in text and "split weight per device" in text
+        await pilot.press("escape")
+        await pilot.press("q")
