@@ -19,6 +19,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+import psutil
+
 from ..events import StepFinished, to_json_dict
 from ..records import StepRecord
 
@@ -195,9 +197,24 @@ def _end_process_group() -> None:
     """dptui died (even by SIGKILL): take the script and everything it started down with it."""
     if os.getpgrp() != os.getpid():
         os._exit(137)  # not a group leader: never signal a group that is not ours
-    for signum in (signal.SIGTERM, signal.SIGKILL):
+    # SIGTERM to the others first: sent to the whole group it would end this process too,
+    # before the SIGKILL for those that ignore it.
+    for pid in _group_members(os.getpid()):
         try:
-            os.killpg(os.getpid(), signum)
+            os.kill(pid, signal.SIGTERM)
         except ProcessLookupError:
-            return
-        time.sleep(LIFELINE_GRACE_S)
+            pass
+    time.sleep(LIFELINE_GRACE_S)
+    os.killpg(os.getpid(), signal.SIGKILL)
+
+
+def _group_members(pgid: int) -> list[int]:
+    """The other processes in process group `pgid`."""
+    members = []
+    for pid in psutil.pids():
+        try:
+            if pid != os.getpid() and os.getpgid(pid) == pgid:
+                members.append(pid)
+        except (ProcessLookupError, PermissionError):
+            continue
+    return members
