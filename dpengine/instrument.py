@@ -41,6 +41,14 @@ def tensors_of(obj: Any) -> list[torch.Tensor]:
     return found
 
 
+def call_tensors(args: Any, kwargs: dict | None) -> list[torch.Tensor]:
+    """tensors_of((args, kwargs)) without the wrapping tuple and the walk of an empty kwargs."""
+    found = tensors_of(args)
+    if kwargs:
+        _collect_tensors(kwargs, found)
+    return found
+
+
 def _collect_tensors(container: Any, found: list[torch.Tensor]) -> None:
     # Fills one list in place and recurses only into containers: this runs several times per
     # step on the hot path.
@@ -52,7 +60,7 @@ def _collect_tensors(container: Any, found: list[torch.Tensor]) -> None:
 
 
 def shapes_of(obj: Any) -> tuple[Shape, ...]:
-    return tuple(tuple(t.shape) for t in tensors_of(obj))
+    return tuple([tuple(t.shape) for t in tensors_of(obj)])
 
 
 class _SavedBytes:
@@ -242,11 +250,11 @@ class ReplicaProbe:
 
         `last_node`: the replica's SharedParameters node, if it has one (CPU).
         """
-        inputs = tensors_of((args, kwargs))
+        inputs = call_tensors(args, kwargs)
         outputs = tensors_of(output)
-        self._input_shapes = tuple(tuple(t.shape) for t in inputs)
-        self._chunk = inputs[0].size(self.dim) if inputs and inputs[0].dim() > 0 else 0
-        self._output_shapes = tuple(tuple(t.shape) for t in outputs)
+        shapes = self._input_shapes = tuple([tuple(t.shape) for t in inputs])
+        self._chunk = shapes[0][self.dim] if shapes and shapes[0] else 0
+        self._output_shapes = tuple([tuple(t.shape) for t in outputs])
         if self._saved is not None:
             self._memory = self._saved.total
         if torch.is_grad_enabled():
