@@ -250,15 +250,17 @@ class DataParallel(nn.Module):
             self._pool = WorkerPool(self.devices)
             weakref.finalize(self, self._pool.close)
         state = ThreadState.capture()
-        run_replica = self._run_replica
+        nodes = self._call.share_nodes if binders is not None else None
         jobs = []
         for i, (slot, replica, a, kw) in enumerate(zip(slots, replicas, args, kwargs_list)):
             device = self.devices[slot]
             stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-            job = partial(run_replica, i, replica, a, kw, probes)
-            if binders is not None and binders[i] is not None:
-                job = partial(_bind_then, binders[i], self._call.share_nodes, i, job)
-            jobs.append((slot, partial(run_in_state, state, device, stream, job)))
+            bind = binders[i] if binders is not None else None
+            probe = probes[i] if probes is not None else None
+            # One partial and one frame of ours around the replica: a worker runs its Python
+            # while the other replicas contend for the GIL.
+            jobs.append((slot, partial(run_in_state, state, device, stream, _run_in_worker,
+                                       bind, nodes, i, probe, replica, a, kw)))
         results = self._pool.run(jobs)
         for index, result in enumerate(results):
             if isinstance(result, ExceptionWrapper):
@@ -372,10 +374,15 @@ class _PendingStep:
         )
 
 
-def _bind_then(bind: Callable[[], Any], nodes: list[Any], index: int, job: Callable[[], Any]) -> Any:
-    """In the replica's worker: give it its parameter views, note their node, run it."""
-    nodes[index] = bind()
-    return job()
+def _run_in_worker(bind: Callable[[], Any] | None, nodes: list[Any] | None, index: int,
+                   probe: ReplicaProbe | None, replica: nn.Module, args: tuple,
+                   kwargs: dict[str, Any]) -> Any:
+    """In the replica's worker: give it its parameter views (noting their node), then run it."""
+    if bind is not None:
+        nodes[index] = bind()
+    if probe is None:
+        return replica(*args, **kwargs)
+    return probe.measure(replica, args, kwargs)
 
 
 def _notify_backward_done(owner_ref: weakref.ref, pending_ref: weakref.ref) -> None:
