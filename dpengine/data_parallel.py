@@ -14,10 +14,12 @@ from torch import nn
 from torch._utils import ExceptionWrapper
 
 from .devices import DeviceLike, default_devices, device_name, parse_device, resolve_devices
-from .instrument import BackwardCountdown, ReplicaProbe, shapes_of, tensors_of
+from .instrument import BackwardCountdown, ReplicaProbe, SavedBytesCache, shapes_of, tensors_of
 from .parallel_apply import ThreadState, WorkerPool, reraise, run_in_state
 from .records import StepRecord
-from .replicate import ReplicationPlan, WrongDevice, replicate, replicate_shared
+from .replicate import (
+    ReplicationPlan, WrongDevice, replicate, replicate_shared, structure_generation,
+)
 from .scatter_gather import Split, gather, scatter_kwargs
 
 StepCallback = Callable[[StepRecord], None]
@@ -71,6 +73,7 @@ class DataParallel(nn.Module):
         self._record_lock = threading.Lock()
         self._pending: _PendingStep | None = None
         self._last_step: StepRecord | None = None
+        self._saved_bytes = SavedBytesCache()
         self._plan: ReplicationPlan | None = None
         self._call: _Call | None = None  # the forward in progress, for the four step methods
 
@@ -161,6 +164,7 @@ class DataParallel(nn.Module):
                 if not call.measured:
                     # A parallel_apply override ran the replicas: each ran within its span.
                     probe.untimed(applied - replicated)
+            self._saved_bytes.store(probes)
             input_shapes = shapes_of((inputs, kwargs))
             pending.set_forward(
                 batch_size=input_shapes[0][self.dim] if input_shapes and input_shapes[0] else 0,
@@ -250,6 +254,9 @@ class DataParallel(nn.Module):
             self._pool = WorkerPool(self.devices)
             weakref.finalize(self, self._pool.close)
         state = ThreadState.capture()
+        if probes is not None and self.src_device_obj.type != "cuda":
+            self._saved_bytes.lookup(probes, args, kwargs_list,
+                                     (state, structure_generation(), self.module.training))
         nodes = self._call.share_nodes if binders is not None else None
         jobs = []
         for i, (slot, replica, a, kw) in enumerate(zip(slots, replicas, args, kwargs_list)):
