@@ -225,15 +225,15 @@ def _make_task(call: _Call, index: int, job: Callable[[], Any], device: torch.de
 
 
 def run_in_state(
-    state: ThreadState, device: torch.device, stream: Any, fn: Callable[[], Any]
+    state: ThreadState, device: torch.device, stream: Any, fn: Callable[..., Any], *args: Any
 ) -> Any:
-    """fn() under the caller's thread state, and on CUDA under the device and stream."""
+    """fn(*args) under the caller's thread state, and on CUDA under the device and stream."""
     if device.type != "cuda" and not state.inference_mode and not state.autocast:
         # The common CPU case, without an ExitStack: what `with torch.set_grad_enabled(...)` does.
         previous = torch.is_grad_enabled()
         torch._C._set_grad_enabled(state.grad_enabled)
         try:
-            return fn()
+            return fn(*args)
         finally:
             torch._C._set_grad_enabled(previous)
     with ExitStack() as stack:
@@ -241,7 +241,7 @@ def run_in_state(
             stack.enter_context(torch.cuda.device(device))
             stack.enter_context(torch.cuda.stream(stream))
         state.enter(stack)
-        return fn()
+        return fn(*args)
 
 
 def reraise(failure: ExceptionWrapper, index: int, device: str) -> None:

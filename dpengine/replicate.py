@@ -70,7 +70,10 @@ class SharedParameters(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(p.view_as(p) for p in params)
+        # Returned as they are, autograd makes each output a view of its input in C++: no
+        # Python call per parameter, and no op that lets go of the GIL (in a worker, each
+        # such op hands it to another replica's thread and waits to get it back).
+        return params
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -127,6 +130,8 @@ class ReplicationPlan:
         self.modules = list(module.modules())
         position = {id(m): i for i, m in enumerate(self.modules)}
         self.params = list(module.parameters())
+        # Whether any gradient is big enough for where it is made and summed to matter (see _bind).
+        self.has_big = any(p.numel() >= MIN_SUMMED_ELEMENTS for p in self.params)
         index = {id(p): i for i, p in enumerate(self.params)}
         # per module: (attribute, index into params, None for a None entry)
         self.assignments = [

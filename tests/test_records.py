@@ -148,6 +148,38 @@ def test_memory_bytes_follow_what_autograd_saves(make_dp) -> None:
     assert [r.memory_bytes for r in dp.last_step.replicas] == [0, 0, 0]
 
 
+def test_memory_bytes_are_measured_once_per_kind_of_step_then_reused(make_dp, monkeypatch) -> None:
+    # The saved-tensor hooks that measure them cost page faults on every step (see SavedBytesCache).
+    hooked: list[int] = []
+    real = torch.autograd.graph.saved_tensors_hooks
+
+    def counting(pack, unpack):
+        hooked.append(threading.get_ident())
+        return real(pack, unpack)
+
+    monkeypatch.setattr(torch.autograd.graph, "saved_tensors_hooks", counting)
+    module = nn.Linear(5, 2)
+    dp = make_dp(module, cpus(2))
+    x = torch.randn(10, 5)
+    weight_bytes = module.weight.numel() * module.weight.element_size()
+    for _ in range(3):
+        dp(x)
+        assert [r.memory_bytes for r in dp.last_step.replicas] == [5 * 5 * 4, 5 * 5 * 4]
+    assert len(hooked) == 2  # the first step, once per replica
+    xg = x.clone().requires_grad_(True)  # a new key: the weight is saved too
+    for _ in range(2):
+        dp(xg)
+        assert [r.memory_bytes for r in dp.last_step.replicas] == [5 * 5 * 4 + weight_bytes] * 2
+    assert len(hooked) == 4
+    with torch.no_grad():
+        dp(x)
+    assert [r.memory_bytes for r in dp.last_step.replicas] == [0, 0] and len(hooked) == 6
+    steps = dp._saved_bytes.REFRESH  # and measured again now and then, for what no key shows
+    for _ in range(steps):
+        dp(x)
+    assert len(hooked) == 8
+
+
 def test_memory_bytes_of_a_linear_when_the_input_needs_grad(make_dp) -> None:
     module = nn.Linear(5, 2)
     dp = make_dp(module, cpus(3))
