@@ -28,15 +28,19 @@ from .events import (
 )
 from .telemetry import TelemetryPoller, TelemetrySource, open_telemetry
 from .trainer_base import (
+    NonFiniteLoss,
     RunState,
     TrainerBase,
     batch_of,
     check_batch_size,
+    check_loss,
+    checkpoint_due,
     epoch_order,
     load_checkpoint,
     move_optimizer_state,
     run_failed,
     to_device,
+    weights_finite,
 )
 from .workloads import Workload
 
@@ -57,6 +61,7 @@ class Trainer(TrainerBase):
         available: Sequence[DeviceLike] | None = None,
         checkpoint: str | os.PathLike | None = None,
         resume: str | os.PathLike | None = None,
+        checkpoint_every: int | None = None,
     ) -> None:
         self.workload = workload
         self._devices = resolve_devices(devices)
@@ -65,7 +70,7 @@ class Trainer(TrainerBase):
         super().__init__(
             workload, batch_size=batch_size, epochs=epochs, lr=lr, seed=seed, telemetry=telemetry,
             telemetry_interval=telemetry_interval, checkpoint=checkpoint, resume=resume,
-            lock=threading.Condition(), saved=self._saved,
+            lock=threading.Condition(), saved=self._saved, checkpoint_every=checkpoint_every,
         )
         self._wanted_batch: int | None = None
         self._wanted_devices: list[torch.device] | None = None
@@ -166,7 +171,13 @@ class Trainer(TrainerBase):
                     stopped = True
                     break
                 indices = order[run.position : run.position + self._batch_size]
-                self._step(dataset, indices, optimizer)
+                try:
+                    self._step(dataset, indices, optimizer)
+                except NonFiniteLoss:
+                    self._save_if_finite(optimizer)
+                    raise
+                if checkpoint_due(run.step, self.checkpoint_every):
+                    run.save(self.checkpoint, model, optimizer, self._batch_size, self.seed)
             if stopped:
                 break
             self._publish(run.end_epoch())
@@ -176,6 +187,11 @@ class Trainer(TrainerBase):
             final_loss=run.final_loss(), epochs=run.epoch, steps=run.step, samples=run.samples_seen,
             seconds=time.perf_counter() - run.started, stopped=stopped,
         )
+
+    def _save_if_finite(self, optimizer: torch.optim.Optimizer) -> None:
+        """On a non-finite loss: keep the last finite weights, never overwrite them with NaNs."""
+        if self.checkpoint is not None and weights_finite(self.workload.model):
+            self._run.save(self.checkpoint, self.workload.model, optimizer, self._batch_size, self.seed)
 
     def _boundary(self, optimizer: torch.optim.Optimizer) -> bool:
         """Apply what other threads asked for; False when the run must stop."""
@@ -218,8 +234,9 @@ class Trainer(TrainerBase):
         loss = self.workload.loss_fn(output, targets)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        optimizer.step()
         loss_value = loss.item()
+        check_loss(loss_value, run.step + 1, run.epoch)  # before the step: the weights stay finite
+        optimizer.step()
         seconds = time.perf_counter() - step_started
         run.after_step(len(indices), loss_value)
         self._publish(

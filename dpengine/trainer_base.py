@@ -45,6 +45,7 @@ class TrainerBase(Publisher):
         resume: str | os.PathLike | None,
         lock: threading.Lock | threading.Condition,
         saved: dict | None = None,
+        checkpoint_every: int | None = None,
     ) -> None:
         """`defaults` gives the batch size and lr left out; `saved` is `resume`'s state if already read."""
         super().__init__()
@@ -63,6 +64,9 @@ class TrainerBase(Publisher):
         self._telemetry = telemetry
         self._telemetry_interval = telemetry_interval
         self.checkpoint = Path(checkpoint) if checkpoint else None
+        if checkpoint_every is not None and (checkpoint_every < 1 or self.checkpoint is None):
+            raise ValueError(f"checkpoint_every needs a checkpoint path and at least 1 step, not {checkpoint_every}")
+        self.checkpoint_every = checkpoint_every
         self._lock = lock
         self._paused = False
         self._stop = False
@@ -215,10 +219,42 @@ class RunState:
 
 
 def save_checkpoint(state: dict, path: Path) -> None:
-    """Write `state` to `path` whole or not at all: never a half-written checkpoint."""
+    """Write `state` to `path` whole or not at all: never a half-written checkpoint.
+
+    A `.partial` left by a save that was killed is overwritten here; one from a save that
+    fails here is removed, so no half-written file outlives its save.
+    """
     partial = path.with_name(path.name + ".partial")
-    torch.save(state, partial)
-    os.replace(partial, path)
+    try:
+        torch.save(state, partial)
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+
+
+def checkpoint_due(step: int, every: int | None) -> bool:
+    """True after the steps `--checkpoint-every` names, so a crash loses at most `every` steps."""
+    return every is not None and step > 0 and step % every == 0
+
+
+class NonFiniteLoss(ArithmeticError):
+    """The loss of a step is NaN or infinite: training on would only spread it to the weights."""
+
+    def __init__(self, loss: float, step: int, epoch: int) -> None:
+        super().__init__(f"the loss is {loss} at step {step} (epoch {epoch})")
+        self.step = step
+
+
+def check_loss(loss: float, step: int, epoch: int) -> None:
+    """Raise NonFiniteLoss unless `loss` (of step `step`) is a finite number."""
+    if not math.isfinite(loss):
+        raise NonFiniteLoss(loss, step, epoch)
+
+
+def weights_finite(model: torch.nn.Module) -> bool:
+    """Whether every parameter and buffer of `model` is finite (worth writing to a checkpoint)."""
+    return all(bool(torch.isfinite(t).all()) for t in model.state_dict().values() if t.is_floating_point())
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict:
