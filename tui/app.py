@@ -9,6 +9,9 @@ step boundary.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import signal
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -107,6 +110,9 @@ class DptuiApp(App[None]):
         yield Footer(show_command_palette=False, compact=True)
 
     def on_mount(self) -> None:
+        # SIGTERM (a scheduler's preemption) quits as q does: stop at the step boundary, exit 143.
+        with contextlib.suppress(NotImplementedError, RuntimeError):  # no signals off the main thread / on Windows
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, self._terminate)
         self.log_view.border_title = "log"
         self.set_interval(self._refresh_interval, self._refresh_widgets)
         self.set_interval(max(self._refresh_interval, LOG_REFRESH_S), self._flush_log)
@@ -115,6 +121,8 @@ class DptuiApp(App[None]):
     def on_unmount(self) -> None:
         # However the app ends, the training thread must stop itself or the exit hangs.
         self.session.stop()
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGTERM)
 
     # -- the run ----------------------------------------------------------------------
 
@@ -256,9 +264,13 @@ class DptuiApp(App[None]):
 
     async def action_quit(self) -> None:
         self.session.stop()
-        self.exit(return_code=0)
+        self.exit(return_code=1 if self.session.view.state == "failed" else 0)  # q after a failure
 
     action_quit_app = action_quit
+
+    def _terminate(self) -> None:
+        self.session.stop()
+        self.exit(return_code=143)
 
 
 def run_app(trainer_factory: TrainerFactory) -> int:

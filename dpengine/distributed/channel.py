@@ -20,6 +20,8 @@ Messages are tuples whose first item names them:
                  ("finished", RunFinished, acked_seq)
                  ("restart", dict, acked_seq)        device change: state saved, ranks exit
                  ("error", dict)                     see `error_report`
+                 ("alive",)                          every HEARTBEAT_S, from a thread of each
+                                                     spawned rank, however long its step
   host -> rank:  ("config", RankConfig)              first message to every spawned rank
                  ("pause",) ("resume",) ("stop",)    to rank 0
                  ("batch", n, seq) ("devices", names, seq)
@@ -31,6 +33,7 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -47,6 +50,41 @@ def socket_channel() -> tuple[Connection, socket.socket]:
     """(host end, child socket): pass the child socket's fd to the rank, then close it here."""
     host, child = socket.socketpair()
     return Connection(host.detach()), child
+
+
+HEARTBEAT_S = 1.0  # a spawned rank says it is alive this often, from its own thread
+
+
+class SharedSender:
+    """A Connection whose send() several threads may call (the rank loop's and the heartbeat's)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._lock = threading.Lock()
+
+    def send(self, message: object) -> None:
+        with self._lock:
+            self._conn.send(message)
+
+    def __getattr__(self, name: str):
+        return getattr(self._conn, name)
+
+
+def start_heartbeat(conn: SharedSender, interval: float = HEARTBEAT_S) -> None:
+    """Send ("alive",) every `interval` on a daemon thread until the channel closes.
+
+    Liveness independent of step time: the thread runs while the rank's step takes minutes.
+    """
+
+    def beat() -> None:
+        while True:
+            time.sleep(interval)
+            try:
+                conn.send(("alive",))
+            except (OSError, ValueError):  # closed: the rank is ending
+                return
+
+    threading.Thread(target=beat, name="dptui-heartbeat", daemon=True).start()
 
 
 def inherited_channel() -> Connection:

@@ -45,6 +45,8 @@ from ..telemetry.sample import DeviceSample
 from ..trainer_base import (
     RunState,
     batch_of,
+    check_loss,
+    checkpoint_due,
     epoch_order,
     load_checkpoint,
     move_optimizer_state,
@@ -55,6 +57,9 @@ from .channel import error_report
 from .config import RankConfig
 
 HEARTBEAT_S = 0.5  # while paused, rank 0 wakes the others this often
+# No --step-timeout: a collective may wait this long (a slow rank is not a dead one; the host
+# catches a dead rank by its process ending, and a frozen one by its missing heartbeat).
+NO_STEP_TIMEOUT = timedelta(days=7)
 
 ErrorSink = Callable[[dict], None]
 
@@ -147,8 +152,8 @@ class RankLoop:
         # the collectives' (which can then be short, to notice a lost rank quickly).
         self.workload = cfg.spec.build()
         store = self._join()
-        dist.init_process_group(cfg.backend, store=store, rank=self.rank, world_size=self.world,
-                                timeout=timedelta(seconds=cfg.timeout_s))
+        timeout = NO_STEP_TIMEOUT if cfg.timeout_s is None else timedelta(seconds=cfg.timeout_s)
+        dist.init_process_group(cfg.backend, store=store, rank=self.rank, world_size=self.world, timeout=timeout)
         model = self.workload.model
         model.to(self.device if self.device.type == "cuda" else "cpu")
         self.optimizer = self.workload.make_optimizer(cfg.lr)
@@ -209,6 +214,10 @@ class RankLoop:
                     return
                 indices = order[run.position : run.position + self.batch]
                 self._step(dataset, indices, decision)
+                if self.rank == 0 and checkpoint_due(run.step, self.cfg.checkpoint_every):
+                    self.phase = "checkpoint"
+                    run.save(Path(self.cfg.checkpoint), self.ddp.module, self.optimizer, self.batch, self.cfg.seed)
+                    self.phase = "train"
             if stopped:
                 break
             epoch_done = run.end_epoch()
@@ -362,6 +371,10 @@ class RankLoop:
         dist.gather_object(payload, gathered, dst=0)
         gather_ms = (time.perf_counter() - gather_started) * 1000.0
         loss_value = sum(p["loss"] for p in gathered) if gathered is not None else 0.0
+        if self.rank == 0:
+            # Only rank 0 has the whole loss: its error ends the run; the checkpoint on disk
+            # (--checkpoint-every) keeps the last finite weights.
+            check_loss(loss_value, run.step + 1, run.epoch)
         run.after_step(rows, loss_value)
         if self.rank != 0:
             return

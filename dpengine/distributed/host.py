@@ -50,15 +50,18 @@ from .torchrun import torchrun_env, torchrun_session
 
 _POLL_S = 0.1
 FAILURE_GRACE_S = 2.0  # after a "peer went away" error, how long to wait for the real culprit
+LIVENESS_S = 30.0  # a spawned rank silent this long (no heartbeat, see channel.py) is frozen
 
 
 class DdpTrainer(TrainerBase):
     """Same API as `dpengine.trainer.Trainer`, on DistributedDataParallel: one process per device.
 
     `workload` is a `WorkloadSpec` (model target, dataset target, seed), since each rank builds
-    its own copy. `timeout` is the process-group timeout in seconds: the longest one rank may
-    wait for another inside a collective. `startup_timeout` bounds the ranks' start (imports,
-    rendezvous, building the workload).
+    its own copy. `step_timeout` (or its old name `timeout`) is the process-group timeout in
+    seconds: the longest one rank may wait for another inside a collective; None (the default)
+    sets no limit, since a slow step is not a dead rank. A rank that dies is caught by its
+    process ending. `startup_timeout` bounds the ranks' start (imports, rendezvous, building
+    the workload).
     """
 
     def __init__(
@@ -75,8 +78,11 @@ class DdpTrainer(TrainerBase):
         available: Sequence[DeviceLike] | None = None,
         checkpoint: str | os.PathLike | None = None,
         resume: str | os.PathLike | None = None,
-        timeout: float = 30.0,
+        checkpoint_every: int | None = None,
+        step_timeout: float | None = None,
         startup_timeout: float = 120.0,
+        timeout: float | None = None,
+        liveness_timeout: float = LIVENESS_S,
     ) -> None:
         if not isinstance(workload, WorkloadSpec):
             raise TypeError(
@@ -91,10 +97,13 @@ class DdpTrainer(TrainerBase):
         super().__init__(
             built, batch_size=batch_size, epochs=epochs, lr=lr, seed=seed, telemetry=telemetry,
             telemetry_interval=telemetry_interval, checkpoint=checkpoint, resume=resume, lock=threading.Lock(),
+            checkpoint_every=checkpoint_every,
         )
         del built
-        self.timeout = float(timeout)
+        step_timeout = timeout if step_timeout is None else step_timeout  # `timeout`: the old name
+        self.timeout = float(step_timeout) if step_timeout is not None else None
         self.startup_timeout = float(startup_timeout)
+        self.liveness_timeout = float(liveness_timeout)
 
         self._torchrun = torchrun_env()
         if self._torchrun is not None:
@@ -275,6 +284,7 @@ class DdpTrainer(TrainerBase):
                 threads=threads_per_rank(local_world),
                 started=started,
                 checkpoint=str(self.checkpoint) if self.checkpoint else None,
+                checkpoint_every=self.checkpoint_every,
                 resume=str(self.resume_from) if self.resume_from and generation == 0 else None,
                 explicit_lr=self._explicit_lr,
                 state=state,
@@ -324,6 +334,7 @@ class DdpTrainer(TrainerBase):
         deaths: dict[int, str] = {}
         first_failure: float | None = None
         heard = False
+        last_heard: dict[int, float] = {}  # from a rank's first message: before, the start-up deadline applies
         # Later than the ranks' own start-up timeout, so that they can say who is missing first.
         deadline = time.monotonic() + self.startup_timeout + 10.0
         while True:
@@ -344,6 +355,9 @@ class DdpTrainer(TrainerBase):
                             first_failure = first_failure or time.monotonic()
                     continue
                 kind = message[0]
+                last_heard[rank] = time.monotonic()
+                if kind == "alive":
+                    continue
                 if kind == "error":
                     reports.setdefault(rank, message[1])
                     first_failure = first_failure or time.monotonic()
@@ -357,6 +371,12 @@ class DdpTrainer(TrainerBase):
                     pass  # rank 0 is set up: the start-up deadline no longer applies
                 elif kind in ("finished", "restart"):
                     outcome = (kind, message[1])
+            if not group.torchrun:  # torchrun watches its own ranks
+                for rank in open_conns.keys() & last_heard.keys():
+                    silent_s = time.monotonic() - last_heard[rank]
+                    if silent_s > self.liveness_timeout and rank not in deaths:
+                        deaths[rank] = f"stopped responding: no heartbeat for {silent_s:.0f} s (frozen?)"
+                        first_failure = first_failure or time.monotonic()
             for rank, report in group.errors().items():
                 if rank not in reports:
                     reports[rank] = report

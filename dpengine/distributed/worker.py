@@ -41,7 +41,7 @@ import sys
 import time
 
 from . import torchrun as _torchrun
-from .channel import FD_ENV, PARENT_ENV, RANK_ENV, StoreBoard, inherited_channel
+from .channel import FD_ENV, PARENT_ENV, RANK_ENV, SharedSender, StoreBoard, inherited_channel, start_heartbeat
 from .torchrun import TorchrunEnv, TorchrunSession, torchrun_env
 
 REPORT_GRACE_S = 3.0  # a failed torchrun rank waits this long so rank 0 can name it first
@@ -69,13 +69,14 @@ def run_spawned() -> int:
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the host's: it stops at a boundary
     _die_with_parent()
-    conn = inherited_channel()
+    conn = SharedSender(inherited_channel())
     rank = int(os.environ[RANK_ENV])
     try:
         kind, config = conn.recv()
     except (EOFError, OSError):
         return 1
     assert kind == "config"
+    start_heartbeat(conn)
 
     def report(error: dict) -> None:
         conn.send(("error", error))
