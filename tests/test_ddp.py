@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -355,3 +356,45 @@ def test_nccl_ranks_match_the_threaded_backend():
     assert _chunks(events) == _chunks(threaded_events)
     assert result.final_loss == pytest.approx(expected.final_loss, abs=1e-4)
     assert _children() - before == set()
+
+
+# -- liveness: a slow rank is not a dead one (issue 11) -------------------------------------------
+
+
+def test_no_step_timeout_by_default():
+    assert _ddp().timeout is None
+
+
+def test_a_step_longer_than_the_liveness_limit_is_not_a_dead_rank():
+    # Rank 1's second step sleeps 4 s, twice the liveness limit: its heartbeat thread keeps it
+    # alive, and no step timeout cuts the waiting ranks off.
+    trainer = _ddp(f"{DDP_WORKLOADS}:slow_step_on_rank_1", epochs=1, liveness_timeout=2.0)
+    result = trainer.run()
+    assert isinstance(result, RunFinished), result
+    assert result.steps == 4
+
+
+def test_a_frozen_rank_is_caught_by_its_missing_heartbeat():
+    before = _children()
+    trainer = _ddp(epochs=None, liveness_timeout=2.0)
+    frozen: list[int] = []
+
+    def freeze_rank_1(event):
+        if isinstance(event, StepFinished) and event.step == 2 and not frozen:
+            frozen.append(trainer.rank_pids()["cpu:1"])
+            os.kill(frozen[0], signal.SIGSTOP)  # alive but silent: no exit for the host to see
+
+    trainer.subscribe(freeze_rank_1)
+    result = trainer.run()
+    assert frozen
+    assert isinstance(result, RunFailed)
+    assert (result.replica, result.device) == (1, "cpu:1")
+    assert result.error.startswith("rank 1 on cpu:1 stopped responding: no heartbeat")
+    assert _children() - before == set()
+
+
+def test_a_non_finite_loss_fails_the_ddp_run_naming_the_step():
+    result = _ddp(f"{DDP_WORKLOADS}:nan_on_rank_1", epochs=2).run()
+    assert isinstance(result, RunFailed)
+    assert result.error_type == "NonFiniteLoss"
+    assert "the loss is nan at step 3" in result.error

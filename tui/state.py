@@ -75,6 +75,7 @@ class DeviceView:
     peak_memory_bytes: int | None = None
     step_ms: tuple[float, ...] = ()
     sample: DeviceSample | None = None
+    failed: bool = False  # the run failed in this device's replica (or rank)
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +150,7 @@ class RunView:
         self._notices: list[Notice] = []
         self._last_logged: float | None = None
         self._last_epoch_logged: float | None = None
+        self._failed_device: str | None = None
 
     # -- fed by the trainer's threads -------------------------------------------------
 
@@ -242,6 +244,7 @@ class RunView:
 
     def _on_failed(self, event: RunFailed) -> None:
         self._end("failed")
+        self._failed_device = event.device
         text = f"run failed: {event.error}"
         if event.device and event.device not in event.error:
             replica = f"replica {event.replica} on " if event.replica is not None else ""
@@ -403,6 +406,7 @@ class RunView:
                     peak_memory_bytes=last.peak_memory_bytes if last else None,
                     step_ms=tuple(state.step_ms),
                     sample=sample,
+                    failed=device == self._failed_device,
                 )
             )
         return tuple(views)
