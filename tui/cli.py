@@ -245,7 +245,7 @@ def _read_checkpoint(path: str) -> dict:
     try:
         state = load_checkpoint(path)
     except pickle.UnpicklingError as error:
-        raise UsageError(f"--resume {path}: refused: {_unsafe_content(error)}") from None
+        raise UsageError(f"--resume {path}: {_refusal(error)}") from None
     except Exception as error:  # noqa: BLE001 - any unreadable file is the same usage error
         raise UsageError(f"--resume {path}: not a checkpoint torch can load ({_first_line(error)})") from None
     keys = ("model", "optimizer", "epoch", "position", "step")
@@ -254,11 +254,14 @@ def _read_checkpoint(path: str) -> dict:
     return state
 
 
-def _unsafe_content(error: Exception) -> str:
-    """What a weights-only load refused, without torch's advice to load it unsafely instead."""
-    found = re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) ([\w.]+)", str(error))
-    what = f"it would load {found.group(1)}" if found else "it holds more than tensors and plain values"
-    return f"{what}, which could run code; dptui loads only tensors and plain values"
+def _refusal(error: pickle.UnpicklingError) -> str:
+    """Why a weights-only load refused the file, without torch's advice to load it unsafely instead."""
+    text = str(error)
+    found = re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) ([\w.]+)", text)
+    if found:
+        return f"refused: it would load {found.group(1)}, which could run code; dptui loads only tensors and plain values"
+    detail = text.split("WeightsUnpickler error:", 1)[1].strip().splitlines()[0] if "WeightsUnpickler error:" in text else ""
+    return f"not a checkpoint torch can load ({detail or type(error).__name__})"
 
 
 def _check_checkpoint_fits(path: str, state: dict, workload, lr: float | None) -> None:
