@@ -87,9 +87,11 @@ def test_sigterm_stops_at_a_step_boundary_saves_and_exits_143(tmp_path: Path, ba
     assert torch.load(ck, weights_only=True)["step"] == len(steps) == last["steps"]
 
 
-def test_checkpoint_every_bounds_what_a_kill_9_loses(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["dp", "ddp"])
+def test_checkpoint_every_bounds_what_a_kill_9_loses(tmp_path: Path, backend: str) -> None:
     ck = tmp_path / "run.pt"
-    proc = spawn("--headless", "--json", "--no-telemetry", "--devices", "cpu:0,cpu:1", "--model", "mlp",
+    proc = spawn("--headless", "--json", "--no-telemetry", "--backend", backend, "--devices", "cpu:0,cpu:1",
+                 "--model", "mlp",
                  "--epochs", "1000", "--seed", "0", "--checkpoint", str(ck), "--checkpoint-every", "2")
     read_until(proc.stdout, lambda line: is_step(line) and json.loads(line)["step"] == 5)
     proc.kill()  # no handler runs: only what was saved before survives
