@@ -179,7 +179,7 @@ def test_a_rank_that_dies_fails_the_run_naming_it():
 
 def test_a_rank_that_hangs_is_named_once_the_others_time_out():
     before = _children()
-    trainer = _ddp(f"{DDP_WORKLOADS}:hangs_on_rank_1", devices=("cpu:0", "cpu:1", "cpu:2"), epochs=1, timeout=2)
+    trainer = _ddp(f"{DDP_WORKLOADS}:hangs_on_rank_1", devices=("cpu:0", "cpu:1", "cpu:2"), epochs=1, step_timeout=2)
     result = trainer.run()
     assert isinstance(result, RunFailed)
     assert (result.replica, result.device, result.error_type) == (1, "cpu:1", "RankTimeout")
@@ -242,7 +242,7 @@ def test_a_slow_subscriber_and_a_long_pause_outlast_the_timeout(tmp_path):
     Then a stop while paused ends the run at that boundary, and rank 0 saves the checkpoint.
     """
     checkpoint = tmp_path / "run.pt"
-    trainer = _ddp(devices=("cpu:0", "cpu:1"), epochs=None, checkpoint=checkpoint, timeout=2)
+    trainer = _ddp(devices=("cpu:0", "cpu:1"), epochs=None, checkpoint=checkpoint, step_timeout=2)
     events: list = []
     trainer.subscribe(events.append)
 

@@ -57,11 +57,11 @@ class DdpTrainer(TrainerBase):
     """Same API as `dpengine.trainer.Trainer`, on DistributedDataParallel: one process per device.
 
     `workload` is a `WorkloadSpec` (model target, dataset target, seed), since each rank builds
-    its own copy. `step_timeout` (or its old name `timeout`) is the process-group timeout in
-    seconds: the longest one rank may wait for another inside a collective; None (the default)
-    sets no limit, since a slow step is not a dead rank. A rank that dies is caught by its
-    process ending. `startup_timeout` bounds the ranks' start (imports, rendezvous, building
-    the workload).
+    its own copy. `step_timeout` is the process-group timeout in seconds: the longest one rank
+    may wait for another inside a collective; None (the default) sets no limit, since a slow
+    step is not a dead rank. A rank that dies is caught by its process ending, a frozen one by
+    `liveness_timeout` seconds without its heartbeat.
+    `startup_timeout` bounds the ranks' start (imports, rendezvous, building the workload).
     """
 
     def __init__(
@@ -81,7 +81,6 @@ class DdpTrainer(TrainerBase):
         checkpoint_every: int | None = None,
         step_timeout: float | None = None,
         startup_timeout: float = 120.0,
-        timeout: float | None = None,
         liveness_timeout: float = LIVENESS_S,
     ) -> None:
         if not isinstance(workload, WorkloadSpec):
@@ -100,7 +99,6 @@ class DdpTrainer(TrainerBase):
             checkpoint_every=checkpoint_every,
         )
         del built
-        step_timeout = timeout if step_timeout is None else step_timeout  # `timeout`: the old name
         self.timeout = float(step_timeout) if step_timeout is not None else None
         self.startup_timeout = float(startup_timeout)
         self.liveness_timeout = float(liveness_timeout)
