@@ -259,9 +259,11 @@ def _refusal(error: pickle.UnpicklingError) -> str:
     text = str(error)
     found = re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) ([\w.]+)", text)
     if found:
-        return f"refused: it would load {found.group(1)}, which could run code; dptui loads only tensors and plain values"
-    detail = text.split("WeightsUnpickler error:", 1)[1].strip().splitlines()[0] if "WeightsUnpickler error:" in text else ""
-    return f"not a checkpoint torch can load ({detail or type(error).__name__})"
+        what = found.group(1)
+        return f"refused: it would load {what}, which could run code; dptui loads only tensors and plain values"
+    _, _, detail = text.partition("WeightsUnpickler error:")
+    detail = detail.strip().splitlines()[0] if detail.strip() else type(error).__name__
+    return f"not a checkpoint torch can load ({detail})"
 
 
 def _check_checkpoint_fits(path: str, state: dict, workload, lr: float | None) -> None:
@@ -352,7 +354,12 @@ class _EventLog:
         self.path = path
         self._file = open(path, "w", encoding="utf-8")
         self._writer = JsonLinesWriter(self._file)
-        self.failed = False
+        self.error: str | None = None  # the line saying why writing stopped
+        self.say_at_once = True  # False while the UI owns the terminal: main says it afterwards
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
 
     def watch(self, trainer) -> None:
         def write(event) -> None:
@@ -361,9 +368,10 @@ class _EventLog:
             try:
                 self._writer(event)
             except OSError as error:
-                self.failed = True
-                print(f"dptui: error: --log {self.path}: {error.strerror or error}; stopping at the next "
-                      f"step boundary", file=sys.stderr, flush=True)
+                why = error.strerror or error
+                self.error = f"dptui: error: --log {self.path}: {why}; stopping at the next step boundary"
+                if self.say_at_once:
+                    print(self.error, file=sys.stderr, flush=True)
                 trainer.stop()
 
         trainer.subscribe(write)
@@ -439,8 +447,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return run_headless(settings, factory, log)
             from .app import run_app
 
-            code = run_app(log.logging(factory) if log is not None else factory)
-            return EXIT_FAILED if code == EXIT_OK and log is not None and log.failed else code
+            if log is None:
+                return run_app(factory)
+            log.say_at_once = False
+            code = run_app(log.logging(factory))
+            if log.failed:
+                print(log.error, file=sys.stderr)
+            return EXIT_FAILED if code == EXIT_OK and log.failed else code
     except KeyboardInterrupt:
         print("dptui: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
