@@ -434,6 +434,17 @@ class _stop_on_interrupt:
             signal.signal(signum, previous)
 
 
+def _give_up_now(code: int) -> NoReturn:
+    """The second Ctrl-C: exit at once. Replicas may be stuck mid-step in their threads, and the
+    interpreter's teardown (its last garbage collection among them) can wait seconds on them."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = check_args(argv)
@@ -456,7 +467,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return EXIT_FAILED if code == EXIT_OK and log.failed else code
     except KeyboardInterrupt:
         print("dptui: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        _give_up_now(EXIT_INTERRUPTED)
     except BrokenPipeError:
         # Output piped into e.g. `head`: not an error of ours.
         sys.stderr.close()
