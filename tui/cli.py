@@ -161,14 +161,23 @@ def _check_log_path(path: str) -> None:
     parent = target.resolve().parent
     if not parent.is_dir():
         raise UsageError(f"--log {path}: folder {parent} does not exist")
-    try:  # the run opens it with "w" anyway; a line written and flushed shows a full device too
+    try:
+        _probe_writable(target)
+    except OSError as error:
+        raise UsageError(f"--log {path}: cannot write it ({error.strerror or error})") from None
+
+
+def _probe_writable(target: Path) -> None:
+    """Raise OSError unless `target` takes writes; leave an existing file as it was, and no new one."""
+    if target.is_file():
+        open(target, "a", encoding="utf-8").close()
+    elif not target.exists():
+        open(target, "x", encoding="utf-8").close()
+        target.unlink()
+    elif target.is_char_device():  # /dev/full opens fine and refuses the first byte written
         with open(target, "w", encoding="utf-8") as probe:
             probe.write("\n")
             probe.flush()
-            if target.is_file():  # a regular file; devices such as /dev/null cannot be truncated
-                probe.truncate(0)
-    except OSError as error:
-        raise UsageError(f"--log {path}: cannot write it ({error.strerror or error})") from None
 
 
 def _parse_devices(spec: str) -> tuple[tuple[str, ...], str]:
