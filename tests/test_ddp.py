@@ -36,6 +36,7 @@ from dpengine.workloads import load_workload
 
 FIXTURES = Path(__file__).parent / "fixtures"
 DDP_WORKLOADS = FIXTURES / "ddp_workloads.py"
+SLOW_STEP_S = 8.0  # tests/fixtures/ddp_workloads.py's SleepsOnRank
 SEED = 7
 TOLERANCE = 1e-5
 
@@ -366,9 +367,9 @@ def test_no_step_timeout_by_default():
 
 
 def test_a_step_longer_than_the_liveness_limit_is_not_a_dead_rank():
-    # Rank 1's second step sleeps 4 s, twice the liveness limit: its heartbeat thread keeps it
-    # alive, and no step timeout cuts the waiting ranks off.
-    trainer = _ddp(f"{DDP_WORKLOADS}:slow_step_on_rank_1", epochs=1, liveness_timeout=2.0)
+    # Rank 1's second step sleeps twice the liveness limit: its heartbeat thread keeps it alive,
+    # and no step timeout cuts the waiting ranks off.
+    trainer = _ddp(f"{DDP_WORKLOADS}:slow_step_on_rank_1", epochs=1, liveness_timeout=SLOW_STEP_S / 2)
     result = trainer.run()
     assert isinstance(result, RunFinished), result
     assert result.steps == 4
@@ -376,7 +377,7 @@ def test_a_step_longer_than_the_liveness_limit_is_not_a_dead_rank():
 
 def test_a_frozen_rank_is_caught_by_its_missing_heartbeat():
     before = _children()
-    trainer = _ddp(epochs=None, liveness_timeout=2.0)
+    trainer = _ddp(epochs=None, liveness_timeout=5.0)  # beats come each second, even on a busy machine
     frozen: list[int] = []
 
     def freeze_rank_1(event):
