@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -139,6 +140,7 @@ class _Worker(threading.Thread):
         self._ready = ready
         self._sequence_offset = sequence_offset
         self._throttle_spinning = throttle_spinning
+        self.busy = False  # running a replica's task: close() does not wait for it
 
     def run(self) -> None:
         if self._intra_op_threads is not None:
@@ -155,7 +157,9 @@ class _Worker(threading.Thread):
             task = self.tasks.get()
             if task is None:
                 return
+            self.busy = True
             task()
+            self.busy = False
             del task  # do not keep the last call's tensors alive while idle
 
 
@@ -208,9 +212,12 @@ class WorkerPool:
         self._closed = True
         for worker in self._workers:
             worker.tasks.put(None)
+        # Idle workers end at once; a busy one (a replica stuck in a long step, the second
+        # Ctrl-C) is a daemon that ends after its task: never wait for it, nor per worker.
+        deadline = time.monotonic() + 5.0
         for worker in self._workers:
-            if worker is not threading.current_thread():
-                worker.join(timeout=5)
+            if worker is not threading.current_thread() and not worker.busy:
+                worker.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 def _make_task(call: _Call, index: int, job: Callable[[], Any], device: torch.device):

@@ -30,7 +30,7 @@ from .events import (
     StateChanged,
     TelemetrySampled,
 )
-from .failures import run_failed
+from .failures import check_loss, run_failed
 from .run_state import RunState
 from .steering import TrainerBase, check_batch_size
 from .telemetry import TelemetryPoller, TelemetrySource, open_telemetry
@@ -54,6 +54,7 @@ class Trainer(TrainerBase, EpochLoop):
         available: Sequence[DeviceLike] | None = None,
         checkpoint: str | os.PathLike | None = None,
         resume: str | os.PathLike | Checkpoint | None = None,
+        checkpoint_every: int | None = None,
     ) -> None:
         """`resume`: a checkpoint file, or one already read (`dpengine.checkpoint.read_checkpoint`)."""
         self.workload = workload
@@ -62,7 +63,7 @@ class Trainer(TrainerBase, EpochLoop):
         super().__init__(
             workload, batch_size=batch_size, epochs=epochs, lr=lr, seed=seed, telemetry=telemetry,
             telemetry_interval=telemetry_interval, checkpoint=checkpoint, resume=resume,
-            lock=threading.Condition(),
+            lock=threading.Condition(), checkpoint_every=checkpoint_every,
         )
         self._dp: DataParallel | None = None
 
@@ -186,8 +187,9 @@ class Trainer(TrainerBase, EpochLoop):
         loss = self.workload.loss_fn(output, targets)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        optimizer.step()
         loss_value = loss.item()
+        check_loss(loss_value, run.step + 1, run.epoch)  # before the step: the weights stay finite
+        optimizer.step()
         seconds = time.perf_counter() - step_started
         run.after_step(len(indices), loss_value)
         self._publish(

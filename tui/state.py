@@ -75,6 +75,7 @@ class DeviceView:
     peak_memory_bytes: int | None = None
     step_ms: tuple[float, ...] = ()
     sample: DeviceSample | None = None
+    failed: bool = False  # the run failed in this device's replica (or rank)
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +137,7 @@ class RunView:
         self._notices: list[Notice] = []
         self._last_logged: float | None = None
         self._last_epoch_logged: float | None = None
+        self._failed_device: str | None = None
 
     # -- fed by the trainer's threads -------------------------------------------------
 
@@ -216,6 +218,7 @@ class RunView:
 
     def _on_failed(self, event: RunFailed) -> None:
         self._end("failed")
+        self._failed_device = event.device
         line = text.failed_log_line(event)
         self._log.append(LogLine(line, "error"))
         self._notices.append(Notice(line + " (r restarts)", title="Run failed", severity="error"))
@@ -374,6 +377,7 @@ class RunView:
                     peak_memory_bytes=last.peak_memory_bytes if last else None,
                     step_ms=tuple(state.step_ms),
                     sample=sample,
+                    failed=device == self._failed_device,
                 )
             )
         return tuple(views)
