@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import io
+import signal
 import time
 from collections.abc import Callable
 
@@ -394,6 +395,22 @@ async def test_q_after_a_failed_run_exits_1():
         await until(pilot, lambda: app.session.view.state == "failed", what="the failure")
         await quit_app(pilot)
     assert app.return_code == 1
+
+
+async def test_the_app_gives_back_the_sigterm_handler_it_replaced():
+    # dptui run installs its own (it forwards SIGTERM to the script) before the UI starts: once
+    # the UI is gone, a SIGTERM while the script winds down must still reach it, not kill dptui.
+    def forward(signum, frame) -> None:
+        pass
+
+    before = signal.signal(signal.SIGTERM, forward)
+    try:
+        app, _ = scripted_app()
+        async with app.run_test() as pilot:
+            await quit_app(pilot)
+        assert signal.getsignal(signal.SIGTERM) is forward
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 # -- dialogs and layout, over a scripted trainer --------------------------------------
