@@ -402,7 +402,7 @@ def test_a_frozen_rank_is_caught_by_its_missing_heartbeat():
     frozen: list[int] = []
 
     def freeze_rank_1(event):
-        if isinstance(event, StepFinished) and event.step == 2 and not frozen:
+        if isinstance(event, StepFinished) and event.step == 1 and not frozen:  # soon after the start
             frozen.append(trainer.rank_pids()["cpu:1"])
             os.kill(frozen[0], signal.SIGSTOP)  # alive but silent: no exit for the host to see
 

@@ -69,12 +69,12 @@ def start_heartbeat(conn: SharedSender, interval: float = HEARTBEAT_S) -> None:
     """
 
     def beat() -> None:
-        while True:
-            time.sleep(interval)
+        while True:  # the first at once: the host counts a rank's silence from its first message
             try:
                 conn.send(Alive())
             except (OSError, ValueError):  # closed: the rank is ending
                 return
+            time.sleep(interval)
 
     threading.Thread(target=beat, name="dptui-heartbeat", daemon=True).start()
 

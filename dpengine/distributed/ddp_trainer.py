@@ -330,11 +330,14 @@ class DdpTrainer(TrainerBase):
         deaths: dict[int, str] = {}
         first_failure: float | None = None
         heard = False
-        last_heard: dict[int, float] = {}  # from a rank's first message: before, the start-up deadline applies
+        # When each rank was last heard from; every rank counts from rank 0's Ready (all of them
+        # have joined by then), or from its own first message if earlier. Before: the start-up deadline.
+        last_heard: dict[int, float] = {}
         # Later than the ranks' own start-up timeout, so that they can say who is missing first.
         deadline = time.monotonic() + self.startup_timeout + 10.0
         while True:
             ready = wait(list(open_conns.values()), _POLL_S) if open_conns else []
+            polled = time.monotonic()  # whatever a rank sent before now is read in this round
             if not open_conns:
                 time.sleep(_POLL_S)
             outcome = None
@@ -357,11 +360,15 @@ class DdpTrainer(TrainerBase):
                     reports.setdefault(rank, message)
                     first_failure = first_failure or time.monotonic()
                     continue
+                if isinstance(message, Ready):
+                    for other in open_conns:
+                        last_heard.setdefault(other, time.monotonic())
                 outcome = self._on_rank_message(message) or outcome
                 heard = True
             if not group.torchrun:  # torchrun watches its own ranks
                 for rank in open_conns.keys() & last_heard.keys():
-                    silent_s = time.monotonic() - last_heard[rank]
+                    # Up to the poll, not now: a slow subscriber above may have kept beats unread.
+                    silent_s = polled - last_heard[rank]
                     if silent_s > self.liveness_timeout and rank not in deaths:
                         deaths[rank] = f"stopped responding: no heartbeat for {silent_s:.0f} s (frozen?)"
                         first_failure = first_failure or time.monotonic()

@@ -152,7 +152,7 @@ class RankLoop(EpochLoop):
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         # Build first: a slow dataset factory counts against the start-up timeout, not against
-        # the collectives' (which can then be short, to notice a lost rank quickly).
+        # the collectives' (--step-timeout, which can then be short).
         self.workload = cfg.spec.build()
         store = self._join()
         timeout = NO_STEP_TIMEOUT if cfg.timeout_s is None else timedelta(seconds=cfg.timeout_s)
