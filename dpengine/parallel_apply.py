@@ -140,7 +140,20 @@ class _Worker(threading.Thread):
         self._ready = ready
         self._sequence_offset = sequence_offset
         self._throttle_spinning = throttle_spinning
-        self.busy = False  # running a replica's task: close() does not wait for it
+        # Tasks given and not yet done: counted from give(), not from when this thread wakes
+        # up for one (on a busy machine that can be seconds later), so close() never waits on it.
+        self._unfinished = 0
+        self._count_lock = threading.Lock()
+
+    @property
+    def busy(self) -> bool:
+        """A replica's task was given to it and is not done: close() does not wait for it."""
+        return self._unfinished > 0
+
+    def give(self, task: Callable[[], None]) -> None:
+        with self._count_lock:
+            self._unfinished += 1
+        self.tasks.put(task)
 
     def run(self) -> None:
         if self._intra_op_threads is not None:
@@ -157,9 +170,11 @@ class _Worker(threading.Thread):
             task = self.tasks.get()
             if task is None:
                 return
-            self.busy = True
-            task()
-            self.busy = False
+            try:
+                task()
+            finally:
+                with self._count_lock:
+                    self._unfinished -= 1
             del task  # do not keep the last call's tensors alive while idle
 
 
@@ -202,7 +217,7 @@ class WorkerPool:
             raise RuntimeError("this DataParallel's workers were closed")
         call = _Call(len(jobs))
         for index, (slot, job) in enumerate(jobs):
-            self._workers[slot].tasks.put(_make_task(call, index, job, self.devices[slot]))
+            self._workers[slot].give(_make_task(call, index, job, self.devices[slot]))
         call.wait()
         return call.results
 
