@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -413,7 +414,9 @@ class _StopOnInterrupt:
         if self._first is None:
             self._first = signum
             print("stopping at the next step boundary (Ctrl-C again to abort)", file=sys.stderr, flush=True)
-        self._trainer.stop()
+        # Not from here: the signal may have come while this very thread holds the run's lock
+        # (DdpTrainer's main thread, publishing), which is not reentrant: a deadlock.
+        threading.Thread(target=self._trainer.stop, name="dptui-stop", daemon=True).start()
 
     def __enter__(self) -> Callable[[], int | None]:
         """The signal that stopped the run, if one did."""
