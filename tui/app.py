@@ -272,7 +272,8 @@ class DptuiApp(App[None]):
 
     async def action_quit(self) -> None:
         self.session.stop()
-        self.exit(return_code=1 if self.session.view.state == "failed" else 0)  # q after a failure
+        failed = self.session.view.snapshot().state == "failed"  # snapshot(): every view has it (dptui view's too)
+        self.exit(return_code=1 if failed else 0)  # q after a failure
 
     action_quit_app = action_quit
 
