@@ -17,6 +17,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import pickle
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,11 +56,29 @@ class Checkpoint:
 
 
 def save_checkpoint(state: dict, path: Path) -> None:
-    """Write `state` to `path` whole or not at all: never a half-written checkpoint."""
+    """Write `state` to `path` whole or not at all: never a half-written checkpoint.
+
+    A `.partial` left by a save that was killed is overwritten here; one from a save that
+    fails here is removed, so no half-written file outlives its save.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
-    torch.save(state, partial)
-    os.replace(partial, path)
+    try:
+        torch.save(state, partial)
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+
+
+def checkpoint_due(step: int, every: int | None) -> bool:
+    """True after the steps `--checkpoint-every` names, so a crash loses at most `every` steps."""
+    return every is not None and step > 0 and step % every == 0
+
+
+def weights_finite(model: torch.nn.Module) -> bool:
+    """Whether every parameter and buffer of `model` is finite (worth writing to a checkpoint)."""
+    return all(bool(torch.isfinite(t).all()) for t in model.state_dict().values() if t.is_floating_point())
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict:
@@ -70,11 +90,25 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
     """A run checkpoint, loaded and checked for its keys; CheckpointError if it is not one."""
     try:
         state = load_checkpoint(path)
+    except pickle.UnpicklingError as error:
+        raise CheckpointError(f"{path}: {_refusal(error)}") from None
     except Exception as error:  # noqa: BLE001 - any unreadable file is the same error
         raise CheckpointError(f"{path}: not a checkpoint torch can load ({error_line(error, limit=200)})") from None
     if not isinstance(state, dict) or any(key not in state for key in RUN_KEYS):
         raise CheckpointError(f"{path}: not a dptui checkpoint (expected the keys {', '.join(RUN_KEYS)})")
     return Checkpoint(Path(path), state)
+
+
+def _refusal(error: pickle.UnpicklingError) -> str:
+    """Why a weights-only load refused the file, without torch's advice to load it unsafely instead."""
+    text = str(error)
+    found = re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) ([\w.]+)", text)
+    if found:
+        what = found.group(1)
+        return f"refused: it would load {what}, which could run code; dptui loads only tensors and plain values"
+    _, _, detail = text.partition("WeightsUnpickler error:")
+    detail = detail.strip().splitlines()[0] if detail.strip() else type(error).__name__
+    return f"not a checkpoint torch can load ({detail})"
 
 
 def as_checkpoint(resume: str | os.PathLike | Checkpoint | None) -> Checkpoint | None:

@@ -7,6 +7,7 @@ thread; their tensors live in ordinary CPU memory.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 
 import torch
@@ -15,6 +16,12 @@ DeviceLike = int | str | torch.device
 
 # How many virtual CPU devices a picker offers when the user asked for fewer.
 MIN_VIRTUAL_DEVICES = 4
+# torch keeps a device index in 8 bits (cpu:128 becomes cpu:-128, cpu:256 cpu:0), so an index
+# is checked before torch sees it: virtual CPU devices are cpu:0 to cpu:63, CUDA ones below 128.
+MAX_VIRTUAL_DEVICES = 64
+MAX_CUDA_INDEX = 127
+
+_INDEXED = re.compile(r"(cpu|cuda):(\d+)")
 
 
 def device_name(device: torch.device) -> str:
@@ -29,7 +36,7 @@ def cuda_device_count() -> int:
 def _describe_available() -> str:
     count = cuda_device_count()
     cuda = ", ".join(f"cuda:{i}" for i in range(count)) if count else "no CUDA devices"
-    return f"available: {cuda}; virtual CPU devices cpu:0, cpu:1, ..."
+    return f"available: {cuda}; virtual CPU devices cpu:0 to cpu:{MAX_VIRTUAL_DEVICES - 1}"
 
 
 def parse_device(spec: DeviceLike) -> torch.device:
@@ -38,6 +45,7 @@ def parse_device(spec: DeviceLike) -> torch.device:
         raise ValueError(
             f"invalid device {spec!r}: expected an int, 'cuda:N' or 'cpu:N' ({_describe_available()})"
         )
+    _check_index(spec)
     if isinstance(spec, int):
         device = torch.device("cuda", spec) if spec >= 0 else None
     elif isinstance(spec, torch.device):
@@ -60,6 +68,22 @@ def parse_device(spec: DeviceLike) -> torch.device:
     if device.index is None:
         device = torch.device(device.type, 0)
     return device
+
+
+def _check_index(spec: DeviceLike) -> None:
+    """Refuse an index torch would wrap around, naming the limit."""
+    if isinstance(spec, int):
+        kind, index = "cuda", spec
+    elif isinstance(spec, str) and spec.strip().isdigit():
+        kind, index = "cuda", int(spec.strip())
+    elif isinstance(spec, str) and (found := _INDEXED.fullmatch(spec.strip())):
+        kind, index = found.group(1), int(found.group(2))
+    else:
+        return
+    limit = MAX_VIRTUAL_DEVICES - 1 if kind == "cpu" else MAX_CUDA_INDEX
+    if index > limit:
+        what = "virtual CPU devices go from cpu:0 to" if kind == "cpu" else "CUDA device indices go up to"
+        raise ValueError(f"invalid device {spec!r}: {what} {kind}:{limit} ({_describe_available()})")
 
 
 def resolve_devices(specs: Sequence[DeviceLike]) -> list[torch.device]:

@@ -13,8 +13,9 @@ from pathlib import Path
 import torch
 
 from .batches import epoch_order
-from .checkpoint import save_run
+from .checkpoint import checkpoint_due, save_run, weights_finite
 from .events import EpochFinished, RunFinished
+from .failures import NonFiniteLoss
 from .run_state import RunState
 
 
@@ -32,7 +33,8 @@ class EpochLoop:
     workload: object  # a Workload: its dataset is walked
     epochs: int | None  # None: until stopped
     seed: int
-    checkpoint: Path | None  # written at the end and on stop
+    checkpoint: Path | None  # written at the end, on stop, and every `checkpoint_every` steps
+    checkpoint_every: int | None
     _batch_size: int  # the global batch size in force
     _run: RunState
 
@@ -50,7 +52,11 @@ class EpochLoop:
                     return self._finish(stopped=True)
                 if boundary is Boundary.HAND_OVER:
                     return None
-                self._step(order[run.position : run.position + self._batch_size])
+                try:
+                    self._step(order[run.position : run.position + self._batch_size])
+                except NonFiniteLoss:
+                    self._keep_finite_weights()
+                    raise
                 self._after_step()
             self._epoch_finished(run.end_epoch())
         return self._finish(stopped=False)
@@ -64,6 +70,21 @@ class EpochLoop:
         """The one place a run's checkpoint is written."""
         save_run(path, self._run, self._model_to_save(), self._optimizer, self._batch_size, self.seed)
 
+    def _after_step(self) -> None:
+        """After each step, before the next boundary: `--checkpoint-every`, so a kill -9 loses at most N steps."""
+        if self.checkpoint is not None and checkpoint_due(self._run.step, self.checkpoint_every):
+            self._save_checkpoint(self.checkpoint)
+
+    def _keep_finite_weights(self) -> None:
+        """A non-finite loss ends the run: save the weights unless it already reached them.
+
+        The threaded Trainer checks the loss before the optimizer's step, so its weights are the
+        last step's; a DDP rank 0 sees the whole loss only after the step, usually too late (then
+        the last `--checkpoint-every` save stays as it is).
+        """
+        if self.checkpoint is not None and weights_finite(self._model_to_save()):
+            self._save_checkpoint(self.checkpoint)
+
     # -- hooks ---------------------------------------------------------------------------
 
     _optimizer: torch.optim.Optimizer
@@ -73,11 +94,12 @@ class EpochLoop:
         raise NotImplementedError
 
     def _step(self, indices: torch.Tensor) -> None:
-        """Train on the samples at `indices` (one global batch) and count it in `_run`."""
-        raise NotImplementedError
+        """Train on the samples at `indices` (one global batch) and count it in `_run`.
 
-    def _after_step(self) -> None:
-        """After each step, before the next boundary: nothing by default."""
+        Raise NonFiniteLoss (failures.check_loss) for a NaN or infinite loss, before the
+        optimizer's step where the backend can: the weights then stay finite.
+        """
+        raise NotImplementedError
 
     def _epoch_finished(self, event: EpochFinished) -> None:
         raise NotImplementedError

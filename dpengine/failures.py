@@ -1,7 +1,8 @@
-"""Errors in one line: for RunFailed, rank reports, workload and checkpoint checks."""
+"""Errors in one line: for RunFailed, rank reports, workload and checkpoint checks; a non-finite loss."""
 
 from __future__ import annotations
 
+import math
 import traceback
 
 from .events import RunFailed
@@ -32,6 +33,20 @@ def error_line(
     if not with_type:
         return text or type(error).__name__
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+class NonFiniteLoss(ArithmeticError):
+    """The loss of a step is NaN or infinite: training on would only spread it to the weights."""
+
+    def __init__(self, loss: float, step: int, epoch: int) -> None:
+        super().__init__(f"the loss is {loss} at step {step} (epoch {epoch})")
+        self.step = step
+
+
+def check_loss(loss: float, step: int, epoch: int) -> None:
+    """Raise NonFiniteLoss unless `loss` (of step `step`) is a finite number."""
+    if not math.isfinite(loss):
+        raise NonFiniteLoss(loss, step, epoch)
 
 
 def run_failed(error: Exception) -> RunFailed:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -139,6 +140,20 @@ class _Worker(threading.Thread):
         self._ready = ready
         self._sequence_offset = sequence_offset
         self._throttle_spinning = throttle_spinning
+        # Tasks given and not yet done: counted from give(), not from when this thread wakes
+        # up for one (on a busy machine that can be seconds later), so close() never waits on it.
+        self._unfinished = 0
+        self._count_lock = threading.Lock()
+
+    @property
+    def busy(self) -> bool:
+        """A replica's task was given to it and is not done: close() does not wait for it."""
+        return self._unfinished > 0
+
+    def give(self, task: Callable[[], None]) -> None:
+        with self._count_lock:
+            self._unfinished += 1
+        self.tasks.put(task)
 
     def run(self) -> None:
         if self._intra_op_threads is not None:
@@ -155,7 +170,11 @@ class _Worker(threading.Thread):
             task = self.tasks.get()
             if task is None:
                 return
-            task()
+            try:
+                task()
+            finally:
+                with self._count_lock:
+                    self._unfinished -= 1
             del task  # do not keep the last call's tensors alive while idle
 
 
@@ -198,7 +217,7 @@ class WorkerPool:
             raise RuntimeError("this DataParallel's workers were closed")
         call = _Call(len(jobs))
         for index, (slot, job) in enumerate(jobs):
-            self._workers[slot].tasks.put(_make_task(call, index, job, self.devices[slot]))
+            self._workers[slot].give(_make_task(call, index, job, self.devices[slot]))
         call.wait()
         return call.results
 
@@ -208,9 +227,12 @@ class WorkerPool:
         self._closed = True
         for worker in self._workers:
             worker.tasks.put(None)
+        # Idle workers end at once; a busy one (a replica stuck in a long step, the second
+        # Ctrl-C) is a daemon that ends after its task: never wait for it, nor per worker.
+        deadline = time.monotonic() + 5.0
         for worker in self._workers:
-            if worker is not threading.current_thread():
-                worker.join(timeout=5)
+            if worker is not threading.current_thread() and not worker.busy:
+                worker.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 def _make_task(call: _Call, index: int, job: Callable[[], Any], device: torch.device):

@@ -48,6 +48,7 @@ class TrainerBase(Publisher):
         checkpoint: str | os.PathLike | None,
         resume: str | os.PathLike | Checkpoint | None,
         lock: threading.Lock | threading.Condition,
+        checkpoint_every: int | None = None,
     ) -> None:
         """`defaults` gives the batch size and lr left out; `resume` is read here unless already read."""
         super().__init__()
@@ -65,6 +66,9 @@ class TrainerBase(Publisher):
         self._telemetry = telemetry
         self._telemetry_interval = telemetry_interval
         self.checkpoint = Path(checkpoint) if checkpoint else None
+        if checkpoint_every is not None and (checkpoint_every < 1 or self.checkpoint is None):
+            raise ValueError(f"checkpoint_every needs a checkpoint path and at least 1 step, not {checkpoint_every}")
+        self.checkpoint_every = checkpoint_every
         self._lock = lock
         self._paused = False
         self._stop = False

@@ -32,7 +32,7 @@ from .events import (
     StateChanged,
     TelemetrySampled,
 )
-from .failures import run_failed
+from .failures import check_loss, run_failed
 from .run_state import RunState
 from .steering import TrainerBase, check_batch_size
 from .telemetry import TelemetryPoller, TelemetrySource, open_telemetry
@@ -57,6 +57,7 @@ class Trainer(TrainerBase, EpochLoop):
         checkpoint: str | os.PathLike | None = None,
         resume: str | os.PathLike | Checkpoint | None = None,
         balance: Balance = "even",
+        checkpoint_every: int | None = None,
     ) -> None:
         """`resume`: a checkpoint file, or one already read (`dpengine.checkpoint.read_checkpoint`).
 
@@ -68,7 +69,7 @@ class Trainer(TrainerBase, EpochLoop):
         super().__init__(
             workload, batch_size=batch_size, epochs=epochs, lr=lr, seed=seed, telemetry=telemetry,
             telemetry_interval=telemetry_interval, checkpoint=checkpoint, resume=resume,
-            lock=threading.Condition(),
+            lock=threading.Condition(), checkpoint_every=checkpoint_every,
         )
         self._dp: DataParallel | None = None
         self._balance = check_balance(balance, len(self._devices))
@@ -218,8 +219,9 @@ class Trainer(TrainerBase, EpochLoop):
         loss = self.workload.loss_fn(output, targets)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        optimizer.step()
         loss_value = loss.item()
+        check_loss(loss_value, run.step + 1, run.epoch)  # before the step: the weights stay finite
+        optimizer.step()
         seconds = time.perf_counter() - step_started
         run.after_step(len(indices), loss_value)
         record = self._dp.last_step

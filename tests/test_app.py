@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import io
+import signal
 import time
 from collections.abc import Callable
 
@@ -364,6 +365,11 @@ async def test_a_failed_run_is_reported_and_r_recovers():
         (notice,) = notices(app, "error")
         assert "replica 0 on cpu:0" in notice and "this model always fails" in notice
         assert "● failed" in status(app)
+        await until(pilot, lambda: any(p.view.failed for p in app.query(DevicePanel)), what="the panel marked")
+        failed_panel = app.query(DevicePanel).first()  # replica 0 raised
+        assert failed_panel.view.failed and failed_panel.border_subtitle == "failed"
+        assert failed_panel.has_class("-failed")
+        assert [p.view.failed for p in app.query(DevicePanel)] == [True, False, False]
         await until(pilot, lambda: "this model always fails" in log_text(app), what="the log line")
         assert "Traceback" not in log_text(app)
         await press(pilot, "r")
@@ -381,7 +387,31 @@ async def test_a_factory_error_keeps_the_app_up():
         assert "cuda:7" in notices(app, "error")[0]
         await press(pilot, "space")  # greyed out: nothing to pause, nothing breaks
         await quit_app(pilot)
-    assert app.return_code == 0
+    assert app.return_code == 1  # no run: q says it failed
+
+
+async def test_q_after_a_failed_run_exits_1():
+    app = DptuiApp(real_factory(workload=failing_workload))
+    async with app.run_test() as pilot:
+        await until(pilot, lambda: app.session.view.state == "failed", what="the failure")
+        await quit_app(pilot)
+    assert app.return_code == 1
+
+
+async def test_the_app_gives_back_the_sigterm_handler_it_replaced():
+    # dptui run installs its own (it forwards SIGTERM to the script) before the UI starts: once
+    # the UI is gone, a SIGTERM while the script winds down must still reach it, not kill dptui.
+    def forward(signum, frame) -> None:
+        pass
+
+    before = signal.signal(signal.SIGTERM, forward)
+    try:
+        app, _ = scripted_app()
+        async with app.run_test() as pilot:
+            await quit_app(pilot)
+        assert signal.getsignal(signal.SIGTERM) is forward
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 # -- dialogs and layout, over a scripted trainer --------------------------------------
@@ -478,6 +508,9 @@ async def test_log_lines_scroll_the_log_without_laying_out_the_screen(monkeypatc
         original = type(app.screen)._refresh_layout
         monkeypatch.setattr(type(app.screen), "_refresh_layout",
                             lambda screen, *a, **k: (layouts.append(1), original(screen, *a, **k))[1])
+        # The run's start mounts panels, a toast and new footer keys: on a busy machine their
+        # layouts can still be due here. Wait until a whole round passes without one.
+        await until_settled(pilot, layouts)
         log = app.log_view
         for n in range(3 * log.size.height):
             log.write(f"line {n}")
@@ -487,6 +520,19 @@ async def test_log_lines_scroll_the_log_without_laying_out_the_screen(monkeypatc
         assert log.max_scroll_y > 0 and log.scroll_y == log.max_scroll_y  # follows its end
         assert log.vertical_scrollbar.window_virtual_size == log.virtual_size.height == len(log.lines)
         await pilot.press("q")
+
+
+async def until_settled(pilot, layouts: list, timeout: float = 10.0) -> None:
+    """Wait until the screen goes through a round of messages and a refresh without a layout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        layouts.clear()
+        await pilot.pause()
+        await pilot.wait_for_scheduled_animations()
+        await pilot.pause()
+        if not layouts:
+            return
+        assert time.monotonic() < deadline, "the screen kept laying itself out"
 
 
 async def test_a_panel_repaints_only_the_lines_that_changed(monkeypatch):

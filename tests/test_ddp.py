@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -35,6 +36,7 @@ from dpengine.workloads import load_workload
 
 FIXTURES = Path(__file__).parent / "fixtures"
 DDP_WORKLOADS = FIXTURES / "ddp_workloads.py"
+SLOW_STEP_S = 8.0  # tests/fixtures/ddp_workloads.py's SleepsOnRank
 SEED = 7
 TOLERANCE = 1e-5
 
@@ -178,7 +180,7 @@ def test_a_rank_that_dies_fails_the_run_naming_it():
 
 def test_a_rank_that_hangs_is_named_once_the_others_time_out():
     before = _children()
-    trainer = _ddp(f"{DDP_WORKLOADS}:hangs_on_rank_1", devices=("cpu:0", "cpu:1", "cpu:2"), epochs=1, timeout=2)
+    trainer = _ddp(f"{DDP_WORKLOADS}:hangs_on_rank_1", devices=("cpu:0", "cpu:1", "cpu:2"), epochs=1, step_timeout=2)
     result = trainer.run()
     assert isinstance(result, RunFailed)
     assert (result.replica, result.device, result.error_type) == (1, "cpu:1", "RankTimeout")
@@ -241,7 +243,7 @@ def test_a_slow_subscriber_and_a_long_pause_outlast_the_timeout(tmp_path):
     Then a stop while paused ends the run at that boundary, and rank 0 saves the checkpoint.
     """
     checkpoint = tmp_path / "run.pt"
-    trainer = _ddp(devices=("cpu:0", "cpu:1"), epochs=None, checkpoint=checkpoint, timeout=2)
+    trainer = _ddp(devices=("cpu:0", "cpu:1"), epochs=None, checkpoint=checkpoint, step_timeout=2)
     events: list = []
     trainer.subscribe(events.append)
 
@@ -376,3 +378,45 @@ def test_nccl_ranks_match_the_threaded_backend():
     assert _chunks(events) == _chunks(threaded_events)
     assert result.final_loss == pytest.approx(expected.final_loss, abs=1e-4)
     assert _children() - before == set()
+
+
+# -- liveness: a slow rank is not a dead one (issue 11) -------------------------------------------
+
+
+def test_no_step_timeout_by_default():
+    assert _ddp().timeout is None
+
+
+def test_a_step_longer_than_the_liveness_limit_is_not_a_dead_rank():
+    # Rank 1's second step sleeps twice the liveness limit: its heartbeat thread keeps it alive,
+    # and no step timeout cuts the waiting ranks off.
+    trainer = _ddp(f"{DDP_WORKLOADS}:slow_step_on_rank_1", epochs=1, liveness_timeout=SLOW_STEP_S / 2)
+    result = trainer.run()
+    assert isinstance(result, RunFinished), result
+    assert result.steps == 4
+
+
+def test_a_frozen_rank_is_caught_by_its_missing_heartbeat():
+    before = _children()
+    trainer = _ddp(epochs=None, liveness_timeout=5.0)  # beats come each second, even on a busy machine
+    frozen: list[int] = []
+
+    def freeze_rank_1(event):
+        if isinstance(event, StepFinished) and event.step == 1 and not frozen:  # soon after the start
+            frozen.append(trainer.rank_pids()["cpu:1"])
+            os.kill(frozen[0], signal.SIGSTOP)  # alive but silent: no exit for the host to see
+
+    trainer.subscribe(freeze_rank_1)
+    result = trainer.run()
+    assert frozen
+    assert isinstance(result, RunFailed)
+    assert (result.replica, result.device) == (1, "cpu:1")
+    assert result.error.startswith("rank 1 on cpu:1 stopped responding: no heartbeat")
+    assert _children() - before == set()
+
+
+def test_a_non_finite_loss_fails_the_ddp_run_naming_the_step():
+    result = _ddp(f"{DDP_WORKLOADS}:nan_on_rank_1", epochs=2).run()
+    assert isinstance(result, RunFailed)
+    assert result.error_type == "NonFiniteLoss"
+    assert "the loss is nan at step 3" in result.error

@@ -191,10 +191,10 @@ def test_printer_every_counts_global_steps() -> None:
     assert outside == [f"Outside: input size {torch_size((n, 5))} output size {torch_size((n, 2))}" for n in (1, 3, 5)]
 
 
-def test_printer_finished_without_loss_prints_no_final_line() -> None:
+def test_printer_finished_without_loss_still_prints_a_summary() -> None:
     printer, out, _ = _printer()
     printer(RunFinished(final_loss=None, epochs=0, steps=0, samples=0, seconds=0.0, stopped=False))
-    assert out.getvalue() == ""
+    assert out.getvalue() == "no final loss: 0 steps run\n"  # --epochs 0: no silent exit
 
 
 def test_printer_writes_to_the_current_stdout(capsys) -> None:

@@ -9,6 +9,9 @@ step boundary.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import signal
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -95,6 +98,7 @@ class DptuiApp(App[None]):
         self._restarting = False
         self._shown_version = -1
         self._shown_state = ""
+        self._sigterm_before: object = None  # the SIGTERM handler before the app's own (on_mount)
         self.status = StatusBar(id="status")
         self.devices = DeviceGrid(id="devices")
         self.loss_chart = HistoryChart("loss", id="loss")
@@ -111,6 +115,10 @@ class DptuiApp(App[None]):
         yield Footer(show_command_palette=False, compact=True)
 
     def on_mount(self) -> None:
+        # SIGTERM (a scheduler's preemption) quits as q does: stop at the step boundary, exit 143.
+        self._sigterm_before = signal.getsignal(signal.SIGTERM)
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # not main thread / Windows
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, self._terminate)
         self.log_view.border_title = "log"
         self.set_interval(self._refresh_interval, self._refresh_widgets)
         self.set_interval(max(self._refresh_interval, LOG_REFRESH_S), self._flush_log)
@@ -119,6 +127,10 @@ class DptuiApp(App[None]):
     def on_unmount(self) -> None:
         # However the app ends, the training thread must stop itself or the exit hangs.
         self.session.stop()
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            if asyncio.get_running_loop().remove_signal_handler(signal.SIGTERM) and self._sigterm_before is not None:
+                # asyncio leaves SIG_DFL: give back the handler there was (dptui run's, which forwards it).
+                signal.signal(signal.SIGTERM, self._sigterm_before)
 
     # -- the run ----------------------------------------------------------------------
 
@@ -274,9 +286,14 @@ class DptuiApp(App[None]):
 
     async def action_quit(self) -> None:
         self.session.stop()
-        self.exit(return_code=0)
+        failed = self.session.view.snapshot().state == "failed"  # snapshot(): every view has it (dptui view's too)
+        self.exit(return_code=1 if failed else 0)  # q after a failure
 
     action_quit_app = action_quit
+
+    def _terminate(self) -> None:
+        self.session.stop()
+        self.exit(return_code=143)
 
 
 def run_app(trainer_factory: TrainerFactory) -> int:

@@ -1,16 +1,19 @@
 """The `dptui` command: check every argument, then run the UI or the headless mode.
 
 Bad input gets one line on stderr and exit status 2, before any training starts.
-Exit status: 0 done, 1 training failed, 2 bad usage, 130 stopped by Ctrl-C.
+Exit status: 0 done, 1 training failed, 2 bad usage, 130 stopped by Ctrl-C, 143 stopped by SIGTERM.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import os
 import signal
 import sys
+import tempfile
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +24,7 @@ if TYPE_CHECKING:
 
 RunFactory = Callable[[], "Run"]
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 
 # `dptui NAME ...`: each subcommand parses its own arguments in its module's main(argv).
 SUBCOMMANDS = {"run": "tui.run_cli", "view": "tui.view_cli"}
@@ -62,6 +65,8 @@ def _positive_float(name: str, minimum: float = 0.0) -> Callable[[str], float]:
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{name} must be a number, not {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{name} must be a finite number, not {text}")
         if not value > minimum:
             raise argparse.ArgumentTypeError(f"{name} must be more than {minimum:g}, not {text}")
         return value
@@ -75,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="dptui",
         description="See and steer data-parallel PyTorch training from the terminal.",
-        epilog=SUBCOMMAND_HELP + "\nExit status: 0 done, 1 training failed, 2 bad usage, 130 interrupted.",
+        epilog=SUBCOMMAND_HELP + "\nExit status: 0 done, 1 training failed, 2 bad usage, 130 interrupted, "
+        "143 terminated (SIGTERM).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"dptui {__version__}")
@@ -110,10 +116,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log", metavar="FILE", help="write the event stream as JSON Lines to FILE")
     parser.add_argument("--checkpoint", metavar="PATH",
                         help="save model and optimizer state at the end and on stop")
+    parser.add_argument("--checkpoint-every", type=_int_at_least("--checkpoint-every", 1), metavar="N",
+                        help="with --checkpoint: also save every N steps, so a crash loses at most N")
     parser.add_argument("--resume", metavar="PATH", help="continue from a checkpoint")
     parser.add_argument("--telemetry-interval", type=_positive_float("telemetry interval", 0.199),
                         default=1.0, metavar="S", help="seconds between device samples, >= 0.2 (default 1)")
     parser.add_argument("--no-telemetry", action="store_true", help="do not poll device telemetry")
+    parser.add_argument("--step-timeout", type=_positive_float("step timeout"), metavar="S",
+                        help="ddp: fail the run when one rank waits longer than S seconds for the others "
+                        "(default: no limit; a dead rank is still caught within seconds)")
     return parser
 
 
@@ -138,11 +149,55 @@ def check_args(argv: Sequence[str] | None) -> Settings:
     args.balance = _parse_balance(args.balance, len(devices))
     if args.resume and not Path(args.resume).is_file():
         raise UsageError(f"--resume {args.resume}: no such checkpoint file")
+    if args.checkpoint_every is not None and not args.checkpoint:
+        raise UsageError("--checkpoint-every needs --checkpoint PATH (where to save)")
+    if args.checkpoint:
+        _check_checkpoint_path(args.checkpoint)
     if args.log:
-        parent = Path(args.log).resolve().parent
-        if not parent.is_dir():
-            raise UsageError(f"--log {args.log}: folder {parent} does not exist")
+        _check_log_path(args.log)
     return Settings(args=args, devices=devices, note=note)
+
+
+def _check_checkpoint_path(path: str) -> None:
+    """Refuse a --checkpoint that could not be written, before any training (not after it)."""
+    target = Path(path)
+    if target.is_dir():
+        raise UsageError(f"--checkpoint {path}: is a folder; name a file in it")
+    parent = target.resolve().parent
+    if not parent.is_dir():
+        raise UsageError(f"--checkpoint {path}: folder {parent} does not exist")
+    try:  # saves go to a .partial beside it, then replace it: the folder must take a new file
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=".dptui-probe-"):
+            pass
+    except OSError as error:
+        raise UsageError(f"--checkpoint {path}: cannot write in {parent} ({error.strerror or error})") from None
+
+
+def _check_log_path(path: str) -> None:
+    """Refuse a --log that could not be written: a folder, a missing folder, no permission, a full device."""
+    target = Path(path)
+    if target.is_dir():
+        raise UsageError(f"--log {path}: is a folder; name a file in it")
+    parent = target.resolve().parent
+    if not parent.is_dir():
+        raise UsageError(f"--log {path}: folder {parent} does not exist")
+    try:
+        _probe_writable(target)
+    except OSError as error:
+        raise UsageError(f"--log {path}: cannot write it ({error.strerror or error})") from None
+
+
+def _probe_writable(target: Path) -> None:
+    """Raise OSError unless `target` takes writes; leave an existing file as it was, and no new one."""
+    if target.is_file():
+        open(target, "a", encoding="utf-8").close()
+    elif not target.exists():
+        open(target, "x", encoding="utf-8").close()
+        target.unlink()
+    elif target.is_char_device():  # /dev/full opens fine and refuses the first byte written
+        with open(target, "w", encoding="utf-8") as probe:
+            probe.write("\n")
+            probe.flush()
 
 
 def _parse_devices(spec: str) -> tuple[tuple[str, ...], str]:
@@ -208,6 +263,7 @@ def make_trainer_factory(settings: Settings, headless: bool) -> RunFactory:
             seed=seed,
             telemetry_interval=None if args.no_telemetry else args.telemetry_interval,
             checkpoint=args.checkpoint,
+            checkpoint_every=args.checkpoint_every,
             resume=resume,
             balance=args.balance,
         )
@@ -215,14 +271,15 @@ def make_trainer_factory(settings: Settings, headless: bool) -> RunFactory:
             from dpengine.distributed import DdpTrainer, WorkloadSpec
 
             # Each rank process rebuilds the workload from the same targets and seed.
-            return DdpTrainer(WorkloadSpec(args.model, args.dataset, seed), settings.devices, **common)
+            return DdpTrainer(WorkloadSpec(args.model, args.dataset, seed), settings.devices,
+                              step_timeout=args.step_timeout, **common)
         # A fresh workload each time: `r` in the UI restarts from fresh weights.
         return Trainer(load_workload(args.model, args.dataset, seed=seed), settings.devices, **common)
 
     return factory
 
 
-def run_headless(settings: Settings, factory: RunFactory) -> int:
+def run_headless(settings: Settings, factory: RunFactory, log: _EventLog | None = None) -> int:
     from dpengine.events import RunFailed
     from dpengine.runlog import JsonLinesWriter
 
@@ -237,18 +294,24 @@ def run_headless(settings: Settings, factory: RunFactory) -> int:
             print(settings.note, flush=True)
         stdout = _StdoutGuard(TextPrinter(every=args.every), trainer)
     trainer.subscribe(stdout)
-    with _LogFile(args.log) as log:
-        if log is not None:
-            trainer.subscribe(JsonLinesWriter(log))
-        with _StopOnInterrupt(trainer) as interrupted:
-            result = trainer.run()
+    if log is not None:
+        log.watch(trainer)
+    with _StopOnInterrupt(trainer) as stopped_by:
+        result = trainer.run()
     if stdout.broken:
         # Output piped into e.g. `head`, which has read enough: not an error of ours.
         _silence_stdout()
         return EXIT_OK
-    if isinstance(result, RunFailed):
+    if isinstance(result, RunFailed) or (log is not None and log.failed):
         return EXIT_FAILED
-    return EXIT_INTERRUPTED if interrupted() else EXIT_OK
+    return _signal_exit_status(stopped_by())
+
+
+def _signal_exit_status(signum: int | None) -> int:
+    """130 after Ctrl-C, 143 after SIGTERM (128 + the signal, as shells report it), else 0."""
+    if signum == signal.SIGTERM:
+        return EXIT_TERMINATED
+    return EXIT_INTERRUPTED if signum == signal.SIGINT else EXIT_OK
 
 
 class _StdoutGuard:
@@ -282,42 +345,113 @@ def _silence_stdout() -> None:
         pass
 
 
+class _EventLog:
+    """--log FILE: every event of every run the factory builds, as JSON Lines.
+
+    A write error (a full disk) is said once, naming the file, and stops the run at the next
+    step boundary, which still writes the checkpoint; the exit status is then 1.
+    """
+
+    def __init__(self, path: str) -> None:
+        from dpengine.runlog import JsonLinesWriter
+
+        self.path = path
+        self._file = open(path, "w", encoding="utf-8")
+        self._writer = JsonLinesWriter(self._file)
+        self.error: str | None = None  # the line saying why writing stopped
+        self.say_at_once = True  # False while the UI owns the terminal: main says it afterwards
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+    def watch(self, trainer: Run) -> None:
+        def write(event) -> None:
+            if self.failed:
+                return
+            try:
+                self._writer(event)
+            except OSError as error:
+                why = error.strerror or error
+                self.error = f"dptui: error: --log {self.path}: {why}; stopping at the next step boundary"
+                if self.say_at_once:
+                    print(self.error, file=sys.stderr, flush=True)
+                trainer.stop()
+
+        trainer.subscribe(write)
+
+    def logging(self, factory: RunFactory) -> RunFactory:
+        """`factory`, with each trainer it builds writing to this log (`r` in the UI builds anew)."""
+
+        def make() -> Run:
+            trainer = factory()
+            self.watch(trainer)
+            return trainer
+
+        return make
+
+    def close(self) -> None:
+        try:
+            self._file.close()
+        except OSError:  # the unwritten rest of a failed write: already reported
+            pass
+
+
 class _LogFile:
+    """`with _LogFile(--log or None) as log`: the open _EventLog (or None), closed on the way out."""
+
     def __init__(self, path: str | None) -> None:
         self._path = path
-        self._file = None
+        self._log: _EventLog | None = None
 
-    def __enter__(self):
+    def __enter__(self) -> _EventLog | None:
         if self._path:
-            self._file = open(self._path, "w", encoding="utf-8")
-        return self._file
+            self._log = _EventLog(self._path)
+        return self._log
 
     def __exit__(self, *exc) -> None:
-        if self._file is not None:
-            self._file.close()
+        if self._log is not None:
+            self._log.close()
 
 
 class _StopOnInterrupt:
-    """First Ctrl-C: stop at the next step boundary. Second: give up at once."""
+    """First Ctrl-C or any SIGTERM: stop at the next step boundary. A second Ctrl-C: give up at once."""
 
     def __init__(self, trainer: Run) -> None:
         self._trainer = trainer
-        self._count = 0
-        self._previous = None
+        self._first: int | None = None
+        self._previous: dict[int, object] = {}
 
     def _handler(self, signum, frame) -> None:
-        self._count += 1
-        if self._count > 1:
+        if self._first is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
-        print("stopping at the next step boundary (Ctrl-C again to abort)", file=sys.stderr, flush=True)
-        self._trainer.stop()
+        if self._first is None:
+            self._first = signum
+            print("stopping at the next step boundary (Ctrl-C again to abort)", file=sys.stderr, flush=True)
+        # Not from here: the signal may have come while this very thread holds the run's lock
+        # (DdpTrainer's main thread, publishing), which is not reentrant: a deadlock.
+        threading.Thread(target=self._trainer.stop, name="dptui-stop", daemon=True).start()
 
-    def __enter__(self) -> Callable[[], bool]:
-        self._previous = signal.signal(signal.SIGINT, self._handler)
-        return lambda: self._count > 0
+    def __enter__(self) -> Callable[[], int | None]:
+        """The signal that stopped the run, if one did."""
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            self._previous[signum] = signal.signal(signum, self._handler)
+        return lambda: self._first
 
     def __exit__(self, *exc) -> None:
-        signal.signal(signal.SIGINT, self._previous)
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+
+
+def _give_up_now(code: int) -> NoReturn:
+    """The second Ctrl-C: exit at once. Replicas may be stuck mid-step in their threads, and the
+    interpreter's teardown (its last garbage collection among them) can wait seconds on them."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -331,14 +465,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"dptui: error: {error}", file=sys.stderr)
         return EXIT_USAGE
     try:
-        if settings.args.headless:
-            return run_headless(settings, factory)
-        from .app import run_app
+        with _LogFile(settings.args.log) as log:
+            if settings.args.headless:
+                return run_headless(settings, factory, log)
+            from .app import run_app
 
-        return run_app(factory)
+            if log is None:
+                return run_app(factory)
+            log.say_at_once = False
+            code = run_app(log.logging(factory))
+            if log.failed:
+                print(log.error, file=sys.stderr)
+            return EXIT_FAILED if code == EXIT_OK and log.failed else code
     except KeyboardInterrupt:
         print("dptui: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        _give_up_now(EXIT_INTERRUPTED)
     except BrokenPipeError:
         # Output piped into e.g. `head`: not an error of ours.
         sys.stderr.close()

@@ -72,6 +72,8 @@ def result_lines(event: RunFinished) -> list[str]:
     lines = ["stopped at a step boundary"] if event.stopped else []
     if event.final_loss is not None:
         lines.append(f"final loss {event.final_loss:.6f}")
+    else:  # --epochs 0, or stopped before the first step: still a summary
+        lines.append(f"no final loss: {event.steps} steps run")
     return lines
 
 

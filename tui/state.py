@@ -77,6 +77,7 @@ class DeviceView:
     step_ms: tuple[float, ...] = ()
     sample: DeviceSample | None = None
     steered: bool = False  # the auto-balancer sets its share
+    failed: bool = False  # the run failed in this device's replica (or rank)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +144,7 @@ class RunView:
         self._notices: list[Notice] = []
         self._last_logged: float | None = None
         self._last_epoch_logged: float | None = None
+        self._failed_device: str | None = None
 
     # -- fed by the trainer's threads -------------------------------------------------
 
@@ -230,6 +232,7 @@ class RunView:
 
     def _on_failed(self, event: RunFailed) -> None:
         self._end("failed")
+        self._failed_device = event.device
         line = text.failed_log_line(event)
         self._log.append(LogLine(line, "error"))
         self._notices.append(Notice(line + " (r restarts)", title="Run failed", severity="error"))
@@ -403,6 +406,7 @@ class RunView:
                     step_ms=tuple(state.step_ms),
                     sample=sample,
                     steered=active and self._balance == "auto",
+                    failed=device == self._failed_device,
                 )
             )
         return tuple(views)

@@ -108,6 +108,12 @@ class ViewerApp(DptuiApp):
     def action_restart(self) -> None:
         self.notify("Cannot restart: this is a recording.", severity="warning")
 
+    async def action_quit(self) -> None:
+        self.session.stop()
+        self.exit(return_code=0)  # a recorded run that failed is no failure of the viewer
+
+    action_quit_app = action_quit
+
 
 def run_viewer(recording: RecordedRun) -> int:
     """Show the recording in this terminal until the user quits; the exit status."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -30,7 +31,7 @@ from multiprocessing.connection import Connection
 import torch.distributed as dist
 
 from ..failures import error_line
-from .messages import ErrorReport
+from .messages import Alive, ErrorReport
 
 FD_ENV = "DPTUI_DDP_FD"  # the inherited socket of a spawned rank
 RANK_ENV = "DPTUI_DDP_RANK"
@@ -41,6 +42,41 @@ def socket_channel() -> tuple[Connection, socket.socket]:
     """(host end, child socket): pass the child socket's fd to the rank, then close it here."""
     host, child = socket.socketpair()
     return Connection(host.detach()), child
+
+
+HEARTBEAT_S = 1.0  # a spawned rank says it is alive this often, from its own thread
+
+
+class SharedSender:
+    """A Connection whose send() several threads may call (the rank loop's and the heartbeat's)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._lock = threading.Lock()
+
+    def send(self, message: object) -> None:
+        with self._lock:
+            self._conn.send(message)
+
+    def __getattr__(self, name: str):
+        return getattr(self._conn, name)
+
+
+def start_heartbeat(conn: SharedSender, interval: float = HEARTBEAT_S) -> None:
+    """Send `Alive()` every `interval` on a daemon thread until the channel closes.
+
+    Liveness independent of step time: the thread runs while the rank's step takes minutes.
+    """
+
+    def beat() -> None:
+        while True:  # the first at once: the host counts a rank's silence from its first message
+            try:
+                conn.send(Alive())
+            except (OSError, ValueError):  # closed: the rank is ending
+                return
+            time.sleep(interval)
+
+    threading.Thread(target=beat, name="dptui-heartbeat", daemon=True).start()
 
 
 def inherited_channel() -> Connection:

@@ -43,11 +43,12 @@ class RankConfig:
     lr: float
     seed: int
     telemetry_interval: float | None  # None: ranks send no telemetry
-    timeout_s: float  # process-group (collective) timeout
+    timeout_s: float | None  # process-group (collective) timeout; None: no limit (--step-timeout)
     startup_timeout_s: float  # for every rank to build the workload and join
     threads: int  # intra-op threads per rank
     started: float  # the host's time.perf_counter() when the run started
     checkpoint: str | None = None  # rank 0 saves here at the end (and on stop)
+    checkpoint_every: int | None = None  # and every N steps
     resume: str | None = None  # a checkpoint to start from (first generation only)
     explicit_lr: bool = False  # lr was given: it overrides the resumed optimizer's
     state: str | None = None  # restart state written by the previous generation

@@ -8,11 +8,12 @@ the next step boundary in every rank. A device change ends the ranks at a bounda
 rank 0 saved the model, the optimizer and the run's counters; the next generation of ranks,
 one per new device, loads them and goes on in the same epoch at the same position.
 
-A rank that raises reports its error and exits; a rank that dies closes its channel. Either
-way the host ends every other rank at once (SIGTERM to each rank's process group, SIGKILL
-after three seconds) and publishes RunFailed naming the rank and its device. An error that
-only says a peer went away (gloo's "Connection closed by peer") never hides the rank that
-really failed.
+A rank that raises reports its error and exits; a rank that dies closes its channel; a frozen
+one stops sending its heartbeat (`messages.Alive`, each second from a thread, however long its
+step), and LIVENESS_S without one is a failure. Either way the host ends every other rank at
+once (SIGTERM to each rank's process group, SIGKILL after three seconds) and publishes
+RunFailed naming the rank and its device. An error that only says a peer went away (gloo's
+"Connection closed by peer") never hides the rank that really failed.
 """
 
 from __future__ import annotations
@@ -51,21 +52,24 @@ from ..steering import TrainerBase, check_batch_size
 from ..telemetry import TelemetryPoller, TelemetrySource
 from .config import RankConfig, WorkloadSpec
 from .launcher import SpawnedGroup, TorchrunGroup, describe_exit, threads_per_rank
-from .messages import ErrorReport, Finished, Forward, Published, Ready, Restart, Steer
+from .messages import Alive, ErrorReport, Finished, Forward, Published, Ready, Restart, Steer
 from .torchrun import torchrun_env, torchrun_session
 
 
 _POLL_S = 0.1
 FAILURE_GRACE_S = 2.0  # after a "peer went away" error, how long to wait for the real culprit
+LIVENESS_S = 30.0  # a spawned rank silent this long (no heartbeat, see channel.py) is frozen
 
 
 class DdpTrainer(TrainerBase):
     """Same API as `dpengine.trainer.Trainer`, on DistributedDataParallel: one process per device.
 
     `workload` is a `WorkloadSpec` (model target, dataset target, seed), since each rank builds
-    its own copy. `timeout` is the process-group timeout in seconds: the longest one rank may
-    wait for another inside a collective. `startup_timeout` bounds the ranks' start (imports,
-    rendezvous, building the workload).
+    its own copy. `step_timeout` is the process-group timeout in seconds: the longest one rank
+    may wait for another inside a collective; None (the default) sets no limit, since a slow
+    step is not a dead rank. A rank that dies is caught by its process ending, a frozen one by
+    `liveness_timeout` seconds without its heartbeat.
+    `startup_timeout` bounds the ranks' start (imports, rendezvous, building the workload).
     """
 
     def __init__(
@@ -82,9 +86,11 @@ class DdpTrainer(TrainerBase):
         available: Sequence[DeviceLike] | None = None,
         checkpoint: str | os.PathLike | None = None,
         resume: str | os.PathLike | Checkpoint | None = None,
-        timeout: float = 30.0,
+        checkpoint_every: int | None = None,
+        step_timeout: float | None = None,
         startup_timeout: float = 120.0,
         balance: Balance = "even",
+        liveness_timeout: float = LIVENESS_S,
     ) -> None:
         if not isinstance(workload, WorkloadSpec):
             raise TypeError(
@@ -99,10 +105,12 @@ class DdpTrainer(TrainerBase):
         super().__init__(
             built, batch_size=batch_size, epochs=epochs, lr=lr, seed=seed, telemetry=telemetry,
             telemetry_interval=telemetry_interval, checkpoint=checkpoint, resume=resume, lock=threading.Lock(),
+            checkpoint_every=checkpoint_every,
         )
         del built
-        self.timeout = float(timeout)
+        self.timeout = float(step_timeout) if step_timeout is not None else None
         self.startup_timeout = float(startup_timeout)
+        self.liveness_timeout = float(liveness_timeout)
 
         self._torchrun = torchrun_env()
         if self._torchrun is not None:
@@ -185,7 +193,15 @@ class DdpTrainer(TrainerBase):
         return self._available
 
     def worker_thread_ids(self) -> dict[str, int]:
-        return {}  # ranks are processes, each sampling itself
+        return {}  # ranks are processes, each sampling itself (see rank_pids())
+
+    def rank_pids(self) -> dict[str, int]:
+        """device -> pid of the rank process running it now (empty between generations)."""
+        group = self._group
+        if group is None:
+            return {}
+        devices = group.config.devices
+        return {devices[rank]: pid for rank, pid in group.pids().items()}
 
     # -- the run ------------------------------------------------------------------------
 
@@ -279,6 +295,7 @@ class DdpTrainer(TrainerBase):
                 threads=threads_per_rank(local_world),
                 started=started,
                 checkpoint=str(self.checkpoint) if self.checkpoint else None,
+                checkpoint_every=self.checkpoint_every,
                 resume=str(self.resume_from.path) if self.resume_from and generation == 0 else None,
                 explicit_lr=self._explicit_lr,
                 state=state,
@@ -329,10 +346,14 @@ class DdpTrainer(TrainerBase):
         deaths: dict[int, str] = {}
         first_failure: float | None = None
         heard = False
+        # When each rank was last heard from; every rank counts from rank 0's Ready (all of them
+        # have joined by then), or from its own first message if earlier. Before: the start-up deadline.
+        last_heard: dict[int, float] = {}
         # Later than the ranks' own start-up timeout, so that they can say who is missing first.
         deadline = time.monotonic() + self.startup_timeout + 10.0
         while True:
             ready = wait(list(open_conns.values()), _POLL_S) if open_conns else []
+            polled = time.monotonic()  # whatever a rank sent before now is read in this round
             if not open_conns:
                 time.sleep(_POLL_S)
             outcome = None
@@ -348,12 +369,25 @@ class DdpTrainer(TrainerBase):
                             deaths[rank] = describe_exit(code)
                             first_failure = first_failure or time.monotonic()
                     continue
+                last_heard[rank] = time.monotonic()
+                if isinstance(message, Alive):
+                    continue
                 if isinstance(message, ErrorReport):
                     reports.setdefault(rank, message)
                     first_failure = first_failure or time.monotonic()
                     continue
+                if isinstance(message, Ready):
+                    for other in open_conns:
+                        last_heard.setdefault(other, time.monotonic())
                 outcome = self._on_rank_message(message) or outcome
                 heard = True
+            if not group.torchrun:  # torchrun watches its own ranks
+                for rank in open_conns.keys() & last_heard.keys():
+                    # Up to the poll, not now: a slow subscriber above may have kept beats unread.
+                    silent_s = polled - last_heard[rank]
+                    if silent_s > self.liveness_timeout and rank not in deaths:
+                        deaths[rank] = f"stopped responding: no heartbeat for {silent_s:.0f} s (frozen?)"
+                        first_failure = first_failure or time.monotonic()
             for rank, report in group.errors().items():
                 if rank not in reports:
                     reports[rank] = report

@@ -9,6 +9,8 @@ rank -> host (handled in `DdpTrainer._pump`, ddp_trainer.py):
   Ready, Forward(event), Finished(result), Restart(...)   each with `acked`, the newest
                               Change number rank 0 has applied
   ErrorReport                 from any rank (under torchrun, other ranks post it to the store)
+  Alive                       every channel.HEARTBEAT_S, from a thread of each spawned rank,
+                              however long its step (the host's liveness check)
 rank 0 -> every rank (a broadcast at each step boundary; rank_loop.py):
   Decision
 """
@@ -22,7 +24,7 @@ from ..events import Event, RunFinished
 from ..pending import Change
 
 __all__ = [
-    "Change", "Decision", "ErrorReport", "Finished", "Forward", "Published", "Ready", "Restart", "Steer",
+    "Alive", "Change", "Decision", "ErrorReport", "Finished", "Forward", "Published", "Ready", "Restart", "Steer",
 ]
 
 
@@ -67,6 +69,11 @@ class Restart:
     state: str
     step: int  # the last step this generation ran
     acked: int
+
+
+@dataclass(frozen=True)
+class Alive:
+    """A spawned rank's heartbeat: its process runs and is not frozen (its step may be long)."""
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ from ..checkpoint import as_checkpoint, restore_restart, restore_run, save_resta
 from ..devices import parse_device
 from ..epoch_loop import Boundary, EpochLoop
 from ..events import ConfigChanged, EpochFinished, Event, SplitChanged, StateChanged, TelemetrySampled
+from ..failures import check_loss
 from ..instrument import ReplicaProbe, tensors_of
 from ..pending import Change, PendingChanges
 from ..records import StepRecord
@@ -57,6 +58,9 @@ from .config import RankConfig
 from .messages import Decision, ErrorReport, Finished, Forward, Published, Ready, Restart, Steer
 
 HEARTBEAT_S = 0.5  # while paused, rank 0 wakes the others this often
+# No --step-timeout: a collective may wait this long (a slow rank is not a dead one; the host
+# catches a dead rank by its process ending, and a frozen one by its missing heartbeat).
+NO_STEP_TIMEOUT = timedelta(days=7)
 
 ErrorSink = Callable[[ErrorReport], None]
 
@@ -95,6 +99,7 @@ class RankLoop(EpochLoop):
         self.epochs = config.epochs
         self.seed = config.seed
         self.checkpoint = Path(config.checkpoint) if config.checkpoint and rank == 0 else None
+        self.checkpoint_every = config.checkpoint_every
         self.phase = "setup"
         # Rank 0's steering state, as the host left it.
         self._paused = config.paused
@@ -155,11 +160,11 @@ class RankLoop(EpochLoop):
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         # Build first: a slow dataset factory counts against the start-up timeout, not against
-        # the collectives' (which can then be short, to notice a lost rank quickly).
+        # the collectives' (--step-timeout, which can then be short).
         self.workload = cfg.spec.build()
         store = self._join()
-        dist.init_process_group(cfg.backend, store=store, rank=self.rank, world_size=self.world,
-                                timeout=timedelta(seconds=cfg.timeout_s))
+        timeout = NO_STEP_TIMEOUT if cfg.timeout_s is None else timedelta(seconds=cfg.timeout_s)
+        dist.init_process_group(cfg.backend, store=store, rank=self.rank, world_size=self.world, timeout=timeout)
         model = self.workload.model
         model.to(self.device if self.device.type == "cuda" else "cpu")
         self._optimizer = self.workload.make_optimizer(cfg.lr)
@@ -208,8 +213,9 @@ class RankLoop(EpochLoop):
             self._send(Finished(result, self._acked))  # rank 0's only: others have no host
 
     def _save_checkpoint(self, path: Path) -> None:
-        self.phase = "checkpoint"
+        before, self.phase = self.phase, "checkpoint"
         super()._save_checkpoint(path)
+        self.phase = before  # training goes on after a --checkpoint-every save
 
     def _model_to_save(self) -> torch.nn.Module:
         return self.ddp.module
@@ -373,6 +379,9 @@ class RankLoop(EpochLoop):
         run.after_step(rows, loss_value)
         if self.rank != 0:
             return
+        # Only rank 0 has the whole loss: its error ends the run (after this step: see
+        # EpochLoop._keep_finite_weights).
+        check_loss(loss_value, run.step, run.epoch)
         seconds = time.perf_counter() - started
         input_shape, output_shape, input_shapes, output_shapes = payload["shapes"]
         record = StepRecord(

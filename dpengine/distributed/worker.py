@@ -15,7 +15,7 @@ import signal
 import sys
 import time
 
-from .channel import FD_ENV, PARENT_ENV, RANK_ENV, StoreBoard, inherited_channel
+from .channel import FD_ENV, PARENT_ENV, RANK_ENV, SharedSender, StoreBoard, inherited_channel, start_heartbeat
 from .messages import ErrorReport
 from .torchrun import TorchrunEnv, torchrun_env
 
@@ -44,12 +44,13 @@ def run_spawned() -> int:
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the host's: it stops at a boundary
     _die_with_parent()
-    conn = inherited_channel()
+    conn = SharedSender(inherited_channel())
     rank = int(os.environ[RANK_ENV])
     try:
         config = conn.recv()  # the RankConfig, always first
     except (EOFError, OSError):
         return 1
+    start_heartbeat(conn)
     code = RankLoop(config, rank, conn, conn.send).run()
     conn.close()
     return code

@@ -124,14 +124,16 @@ class DevicePanel(TextLines):
         old, self.view = self.view, view
         if view == old:
             return
-        frame = (view.name, view.active, view.pending, bool(view.sample and view.sample.lost))
-        if old is None or frame != (old.name, old.active, old.pending, bool(old.sample and old.sample.lost)):
+        frame = (view.name, view.active, view.pending, bool(view.sample and view.sample.lost), view.failed)
+        if old is None or frame != (old.name, old.active, old.pending, bool(old.sample and old.sample.lost),
+                                    old.failed):
             title = f"{view.index + 1} {view.device}"
             self.border_title = f"{title} {view.name}" if view.name else title
-            self.border_subtitle = view.pending or ("" if view.active else "off")
+            self.border_subtitle = "failed" if view.failed else view.pending or ("" if view.active else "off")
             self.set_class(not view.active, "-inactive")
             self.set_class(bool(view.pending), "-pending")
             self.set_class(frame[3], "-lost")
+            self.set_class(view.failed, "-failed")
         self.changed()
 
     def lines(self, width: int, height: int) -> list[Text]:
