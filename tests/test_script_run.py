@@ -216,6 +216,9 @@ def test_json_piped_into_head_stops_the_script_quietly():
         (["run"], "dptui run: error: name a script or -m MODULE to run"),
         (["run", "--devices", "cpu:0,cpu:0", script("exits_3.py")], "dptui run: error: --devices: device 'cpu:0'"),
         (["run", "--grace", "soon", script("exits_3.py")], "dptui run: error: argument --grace: --grace must be a number, not 'soon' (see dptui run --help)"),
+        (["run", "--grace", "inf", script("exits_3.py")], "dptui run: error: argument --grace: --grace must be a finite number"),
+        (["run", "--log", "/tmp", script("exits_3.py")], "dptui run: error: --log /tmp: is a folder; name a file in it"),
+        (["run", "--log", "/dev/full", script("exits_3.py")], "dptui run: error: --log /dev/full: cannot write it"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2_before_anything_starts(capsys, argv, message):

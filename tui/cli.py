@@ -8,23 +8,32 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import math
 import os
 import signal
 import sys
-import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
+from .usage import (
+    EXIT_USAGE,
+    Parser,
+    UsageError,
+    check_checkpoint_path,
+    check_log_path,
+    number,
+    parse_devices,
+    whole_number,
+)
+
 if TYPE_CHECKING:
     from dpengine.run_protocol import Run
 
 RunFactory = Callable[[], "Run"]
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
+EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 130, 143
 
 # `dptui NAME ...`: each subcommand parses its own arguments in its module's main(argv).
 SUBCOMMANDS = {"run": "tui.run_cli", "view": "tui.view_cli"}
@@ -36,48 +45,10 @@ SUBCOMMAND_HELP = """subcommands:
 """
 
 
-class UsageError(Exception):
-    """One line saying what is wrong and what would be right."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(f"{message} (see dptui --help)")
-
-
-def _int_at_least(name: str, minimum: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a whole number, not {text!r}") from None
-        if value < minimum:
-            wanted = "at least 1" if minimum == 1 else f"{minimum} or more"
-            raise argparse.ArgumentTypeError(f"{name} must be {wanted}, not {value}")
-        return value
-
-    return parse
-
-
-def _positive_float(name: str, minimum: float = 0.0) -> Callable[[str], float]:
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a number, not {text!r}") from None
-        if not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"{name} must be a finite number, not {text}")
-        if not value > minimum:
-            raise argparse.ArgumentTypeError(f"{name} must be more than {minimum:g}, not {text}")
-        return value
-
-    return parse
-
-
 def build_parser() -> argparse.ArgumentParser:
     from dpengine import __version__
 
-    parser = _Parser(
+    parser = Parser(
         prog="dptui",
         description="See and steer data-parallel PyTorch training from the terminal.",
         epilog=SUBCOMMAND_HELP + "\nExit status: 0 done, 1 training failed, 2 bad usage, 130 interrupted, "
@@ -90,17 +61,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma list (cuda:0,cuda:1 | 0,1 | cpu:0,cpu:1,cpu:2) or auto: every visible GPU, "
         "else two virtual CPU devices (default: auto)",
     )
-    parser.add_argument("--batch-size", type=_int_at_least("batch size", 1), metavar="N",
+    parser.add_argument("--batch-size", type=whole_number("batch size", 1), metavar="N",
                         help="global batch size (default: the workload's; 30 for seed)")
-    parser.add_argument("--epochs", type=_int_at_least("epochs", 0), metavar="N",
+    parser.add_argument("--epochs", type=whole_number("epochs", 0), metavar="N",
                         help="epochs to train (default: 1 headless; until stopped in the UI)")
     parser.add_argument("--model", default="seed", metavar="T",
                         help="seed | mlp | cnn, or package.module:factory or path/file.py:factory")
     parser.add_argument("--dataset", metavar="T",
                         help="package.module:factory or path/file.py:factory returning a dataset")
-    parser.add_argument("--lr", type=_positive_float("learning rate"), metavar="F",
+    parser.add_argument("--lr", type=number("learning rate", above=0), metavar="F",
                         help="learning rate (default: the workload's)")
-    parser.add_argument("--seed", type=_int_at_least("seed", 0), metavar="N",
+    parser.add_argument("--seed", type=whole_number("seed", 0), metavar="N",
                         help="make the run reproducible: same data, batch order, chunks and loss")
     parser.add_argument("--backend", default="dp", choices=["dp", "ddp"],
                         help="dp: threads in this process (default); ddp: DistributedDataParallel, "
@@ -111,18 +82,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "measured times so no replica waits), or one weight per device")
     parser.add_argument("--headless", action="store_true", help="no UI: print the run as text")
     parser.add_argument("--json", action="store_true", help="with --headless: JSON Lines events")
-    parser.add_argument("--every", type=_int_at_least("--every", 0), default=1, metavar="N",
+    parser.add_argument("--every", type=whole_number("--every", 0), default=1, metavar="N",
                         help="headless text: print the per-step lines for every Nth step only (0: none)")
     parser.add_argument("--log", metavar="FILE", help="write the event stream as JSON Lines to FILE")
     parser.add_argument("--checkpoint", metavar="PATH",
                         help="save model and optimizer state at the end and on stop")
-    parser.add_argument("--checkpoint-every", type=_int_at_least("--checkpoint-every", 1), metavar="N",
+    parser.add_argument("--checkpoint-every", type=whole_number("--checkpoint-every", 1), metavar="N",
                         help="with --checkpoint: also save every N steps, so a crash loses at most N")
     parser.add_argument("--resume", metavar="PATH", help="continue from a checkpoint")
-    parser.add_argument("--telemetry-interval", type=_positive_float("telemetry interval", 0.199),
+    parser.add_argument("--telemetry-interval", type=number("telemetry interval", at_least=0.2),
                         default=1.0, metavar="S", help="seconds between device samples, >= 0.2 (default 1)")
     parser.add_argument("--no-telemetry", action="store_true", help="do not poll device telemetry")
-    parser.add_argument("--step-timeout", type=_positive_float("step timeout"), metavar="S",
+    parser.add_argument("--step-timeout", type=number("step timeout", above=0), metavar="S",
                         help="ddp: fail the run when one rank waits longer than S seconds for the others "
                         "(default: no limit; a dead rank is still caught within seconds)")
     return parser
@@ -141,7 +112,7 @@ def check_args(argv: Sequence[str] | None) -> Settings:
     args = build_parser().parse_args(argv)
     if args.json and not args.headless:
         raise UsageError("--json needs --headless (the UI draws the run instead)")
-    devices, note = _parse_devices(args.devices)
+    devices, note = parse_devices(args.devices)
     if note and args.backend == "ddp":
         from dpengine.distributed import torchrun_env
 
@@ -152,69 +123,10 @@ def check_args(argv: Sequence[str] | None) -> Settings:
     if args.checkpoint_every is not None and not args.checkpoint:
         raise UsageError("--checkpoint-every needs --checkpoint PATH (where to save)")
     if args.checkpoint:
-        _check_checkpoint_path(args.checkpoint)
+        check_checkpoint_path(args.checkpoint)
     if args.log:
-        _check_log_path(args.log)
+        check_log_path(args.log)
     return Settings(args=args, devices=devices, note=note)
-
-
-def _check_checkpoint_path(path: str) -> None:
-    """Refuse a --checkpoint that could not be written, before any training (not after it)."""
-    target = Path(path)
-    if target.is_dir():
-        raise UsageError(f"--checkpoint {path}: is a folder; name a file in it")
-    parent = target.resolve().parent
-    if not parent.is_dir():
-        raise UsageError(f"--checkpoint {path}: folder {parent} does not exist")
-    try:  # saves go to a .partial beside it, then replace it: the folder must take a new file
-        with tempfile.NamedTemporaryFile(dir=parent, prefix=".dptui-probe-"):
-            pass
-    except OSError as error:
-        raise UsageError(f"--checkpoint {path}: cannot write in {parent} ({error.strerror or error})") from None
-
-
-def _check_log_path(path: str) -> None:
-    """Refuse a --log that could not be written: a folder, a missing folder, no permission, a full device."""
-    target = Path(path)
-    if target.is_dir():
-        raise UsageError(f"--log {path}: is a folder; name a file in it")
-    parent = target.resolve().parent
-    if not parent.is_dir():
-        raise UsageError(f"--log {path}: folder {parent} does not exist")
-    try:
-        _probe_writable(target)
-    except OSError as error:
-        raise UsageError(f"--log {path}: cannot write it ({error.strerror or error})") from None
-
-
-def _probe_writable(target: Path) -> None:
-    """Raise OSError unless `target` takes writes; leave an existing file as it was, and no new one."""
-    if target.is_file():
-        open(target, "a", encoding="utf-8").close()
-    elif not target.exists():
-        open(target, "x", encoding="utf-8").close()
-        target.unlink()
-    elif target.is_char_device():  # /dev/full opens fine and refuses the first byte written
-        with open(target, "w", encoding="utf-8") as probe:
-            probe.write("\n")
-            probe.flush()
-
-
-def _parse_devices(spec: str) -> tuple[tuple[str, ...], str]:
-    from dpengine import auto_devices, device_name, resolve_devices
-
-    if spec.strip() == "auto":
-        devices = auto_devices()
-        note = "" if devices[0].type == "cuda" else "no CUDA device found: using 2 virtual CPU devices"
-        return tuple(device_name(d) for d in devices), note
-    entries = [part.strip() for part in spec.split(",")]
-    if any(not part for part in entries):
-        raise UsageError(f"--devices {spec!r}: empty entry; expected e.g. cpu:0,cpu:1 or 0,1 or auto")
-    try:
-        devices = resolve_devices(entries)
-    except ValueError as error:
-        raise UsageError(f"--devices: {error}") from None
-    return tuple(device_name(d) for d in devices), ""
 
 
 def _parse_balance(text: str, device_count: int):

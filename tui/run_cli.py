@@ -11,43 +11,19 @@ import importlib.util
 import os
 import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
-from typing import NoReturn
-
 from .script_run import GRACE_S, ScriptRun, ScriptTarget
-
-EXIT_USAGE = 2
+from .usage import EXIT_USAGE, Parser, UsageError, check_log_path, number
+from .usage import parse_devices as parse_device_names
 
 USAGE = "dptui run [OPTIONS] (SCRIPT.py | -m MODULE) [ARGS...]"
 _TAKES_VALUE = {"--devices", "--log", "--telemetry-interval", "--grace"}
 
 
-class UsageError(Exception):
-    """One line saying what is wrong and what would be right."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(f"{message} (see dptui run --help)")
-
-
-def _seconds(name: str, minimum: float) -> Callable[[str], float]:
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a number, not {text!r}") from None
-        if not value >= minimum:
-            raise argparse.ArgumentTypeError(f"{name} must be at least {minimum:g}, not {text}")
-        return value
-
-    return parse
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = Parser(
         prog="dptui run", usage=USAGE,
         description="Run your own training script unchanged, with torch.nn.DataParallel recorded "
         "by dptui: live panels per replica, pause and device changes at the next forward.",
@@ -62,10 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --headless: JSON Lines events on stdout, the script's output as "
                         '{"type": "output", ...} events')
     parser.add_argument("--log", metavar="FILE", help="write the run's events as JSON Lines to FILE")
-    parser.add_argument("--telemetry-interval", type=_seconds("telemetry interval", 0.2),
+    parser.add_argument("--telemetry-interval", type=number("telemetry interval", at_least=0.2),
                         default=1.0, metavar="S", help="seconds between device samples, >= 0.2 (default 1)")
     parser.add_argument("--no-telemetry", action="store_true", help="do not poll device telemetry")
-    parser.add_argument("--grace", type=_seconds("--grace", 0.0), default=GRACE_S, metavar="S",
+    parser.add_argument("--grace", type=number("--grace", at_least=0.0), default=GRACE_S, metavar="S",
                         help=f"seconds after SIGINT, then after SIGTERM, before stopping harder (default {GRACE_S:g})")
     return parser
 
@@ -97,8 +73,8 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, ScriptTarget]:
         target = ScriptTarget(rest[0], tuple(rest[1:]))
         if not Path(target.program).is_file():
             raise UsageError(f"no such script: {target.program}")
-    if args.log and not Path(args.log).resolve().parent.is_dir():
-        raise UsageError(f"--log {args.log}: folder {Path(args.log).resolve().parent} does not exist")
+    if args.log:
+        check_log_path(args.log)
     return args, target
 
 
@@ -117,20 +93,10 @@ def _check_module(name: str) -> None:
 
 def parse_devices(spec: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """--devices: the devices and those a user could switch to, as names."""
-    from dpengine.devices import auto_devices, available_devices, device_name, resolve_devices
+    from dpengine.devices import available_devices, device_name, resolve_devices
 
-    if spec.strip() == "auto":
-        devices = auto_devices()
-    else:
-        entries = [part.strip() for part in spec.split(",")]
-        if any(not part for part in entries):
-            raise UsageError(f"--devices {spec!r}: empty entry; expected e.g. cpu:0,cpu:1 or 0,1 or auto")
-        try:
-            devices = resolve_devices(entries)
-        except ValueError as error:
-            raise UsageError(f"--devices: {error}") from None
-    names = tuple(device_name(d) for d in devices)
-    return names, tuple(device_name(d) for d in available_devices(devices))
+    names, _note = parse_device_names(spec)
+    return names, tuple(device_name(d) for d in available_devices(resolve_devices(list(names))))
 
 
 def main(argv: Sequence[str]) -> int:

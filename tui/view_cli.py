@@ -9,22 +9,15 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, NoReturn
+from typing import IO
 
-EXIT_OK, EXIT_USAGE, EXIT_INTERRUPTED = 0, 2, 130
+from .usage import EXIT_USAGE, Parser, UsageError
 
-
-class UsageError(Exception):
-    """One line saying what is wrong."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(f"{message} (see dptui view --help)")
+EXIT_OK, EXIT_INTERRUPTED = 0, 130
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = Parser(
         prog="dptui view",
         description="Open a recorded run: a --log file, or what --headless --json printed. "
         "Left and right step through its steps, home and end jump to the first and last.",
