@@ -4,7 +4,9 @@
 device's time per row (ratio of sums over the recent steps, so a noisy step weighs little) and
 proposes weights, one per device, under which the predicted slowest replica finishes earliest.
 It adopts them only when that prediction beats the current split's by `margin` (hysteresis),
-so measurement noise does not make the split oscillate. Weights, not sizes: the same plan cuts
+so measurement noise does not make the split oscillate, and keeps them only when the steps that
+follow measure faster too: where a replica's time does not grow with its rows (a tiny model,
+all fixed costs) per-row estimates mislead, so such a trial is undone and not retried for a while. Weights, not sizes: the same plan cuts
 any batch, including an epoch's smaller last one (`balanced_sizes`).
 
 Both backends use it: `DataParallel(balance="auto")` feeds it from its own step records, and
@@ -25,6 +27,8 @@ WARMUP_STEPS = 2  # the first steps pay for thread start-up and allocator growth
 MIN_STEPS = 3  # steps measured at the current split before deciding
 WINDOW = 8  # recent steps the per-row estimate is taken over
 MARGIN = 0.05  # a new split must be predicted this much faster than the current one
+HOLD_STEPS = 50  # after a new split that measured no faster, keep the old one this long (doubling)
+MAX_HOLD_STEPS = 1600
 
 Balance = str | tuple[float, ...]  # "even", "auto", or one weight per device
 
@@ -121,6 +125,10 @@ class Balancer:
         self.changes = 0
         # Each device's last estimate: one left without rows (allow_zero) keeps its rate.
         self._rates: list[float | None] = [None] * device_count
+        # A new split on trial: the weights before it and the slowest replica's ms per row then.
+        self._trial: tuple[tuple[float, ...], float] | None = None
+        self._hold = 0  # steps left before another split may be tried
+        self._next_hold = HOLD_STEPS
 
     def observe(self, chunk_sizes: Sequence[int], times_ms: Sequence[float]) -> BalancePlan | None:
         """Take one step's rows and time per device slot (0 rows: not in that step).
@@ -142,10 +150,25 @@ class Balancer:
         even = _slowest(even_sizes(rows, self.device_count) + [0] * self.device_count, rates)
         if len(self._history) < self._min_steps:
             return BalancePlan(self.weights, False, current, even)
+        if self._trial is not None:
+            before, before_ms = self._trial
+            self._trial = None
+            if self._measured_ms_per_row() >= before_ms * (1.0 - self.margin / 2):
+                # The prediction did not come true: go back, and wait longer each time.
+                self.weights = before
+                self.changes += 1
+                self._hold, self._next_hold = self._next_hold, min(2 * self._next_hold, MAX_HOLD_STEPS)
+                self._history.clear()
+                return BalancePlan(before, True, self.predict_ms(rows, before, rates), even)
+            self._next_hold = HOLD_STEPS
+        if self._hold > 0:
+            self._hold -= 1
+            return BalancePlan(self.weights, False, current, even)
         candidate = self._ideal_weights(rates)
         predicted = self.predict_ms(rows, candidate, rates)
         if predicted >= current * (1.0 - self.margin):
             return BalancePlan(self.weights, False, current, even)
+        self._trial = (self.weights, self._measured_ms_per_row())
         self.weights = candidate
         self.changes += 1
         # What was measured under the old split says little about the new one's fixed costs.
@@ -170,6 +193,10 @@ class Balancer:
         if any(r is None for r in self._rates):
             return None
         return tuple(self._rates)
+
+    def _measured_ms_per_row(self) -> float:
+        """The slowest replica's time per row of the batch, as measured over the window."""
+        return sum(max(t) / max(sum(n), 1) for n, t in self._history) / len(self._history)
 
     def predict_ms(self, rows: int, weights: Sequence[float], rates: Sequence[float]) -> float:
         """The slowest replica's predicted time for a batch of `rows` cut by `weights`."""

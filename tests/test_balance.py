@@ -115,6 +115,25 @@ def test_recovers_when_the_slow_device_becomes_fast():
     assert sizes == [20, 20, 20]
 
 
+def test_a_split_that_measures_no_faster_is_undone_and_not_retried_at_once():
+    """Replicas whose time does not grow with their rows (a tiny model: all fixed costs).
+
+    Per-row estimates then favour whichever device has the most rows, more so each step;
+    without checking what a new split measured, the balancer would pile the batch onto one.
+    """
+    balancer = Balancer(3)
+    fixed_ms = [0.5, 1.0, 1.0]  # device 0 has less fixed cost: a first trial looks worth it
+    even_steps = changes = 0
+    for _ in range(400):
+        sizes = balanced_sizes(60, balancer.weights)
+        even_steps += sizes == [20, 20, 20]
+        plan = balancer.observe(sizes, fixed_ms)
+        changes += bool(plan and plan.changed)
+    assert balanced_sizes(60, balancer.weights) == [20, 20, 20]
+    assert even_steps >= 0.9 * 400
+    assert changes <= 400 // 50
+
+
 def test_same_observations_same_decisions():
     """What DDP relies on: every rank's copy decides alike."""
     first, second = Balancer(3), Balancer(3)
