@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
+from .stdout_pipe import StopOnBrokenPipe, silence_stdout
 from .usage import (
     EXIT_USAGE,
     Parser,
@@ -200,11 +201,11 @@ def run_headless(settings: Settings, factory: RunFactory, log: _EventLog | None 
     args = settings.args
     trainer = factory()
     if args.json:
-        stdout = _StdoutGuard(JsonLinesWriter(sys.stdout), trainer)
+        stdout = StopOnBrokenPipe(JsonLinesWriter(sys.stdout), trainer)
     else:
         if settings.note:
             print(settings.note, flush=True)
-        stdout = _StdoutGuard(TextPrinter(every=args.every), trainer)
+        stdout = StopOnBrokenPipe(TextPrinter(every=args.every), trainer)
     trainer.subscribe(stdout)
     if log is not None:
         log.watch(trainer)
@@ -212,7 +213,7 @@ def run_headless(settings: Settings, factory: RunFactory, log: _EventLog | None 
         result = trainer.run()
     if stdout.broken:
         # Output piped into e.g. `head`, which has read enough: not an error of ours.
-        _silence_stdout()
+        silence_stdout()
         return EXIT_OK
     if isinstance(result, RunFailed) or (log is not None and log.failed):
         return EXIT_FAILED
@@ -224,37 +225,6 @@ def _signal_exit_status(signum: int | None) -> int:
     if signum == signal.SIGTERM:
         return EXIT_TERMINATED
     return EXIT_INTERRUPTED if signum == signal.SIGINT else EXIT_OK
-
-
-class _StdoutGuard:
-    """Wraps the stdout subscriber: when stdout's reader goes away, stop training quietly.
-
-    Without it the BrokenPipeError would reach the trainer as a training failure (exit 1).
-    """
-
-    def __init__(self, callback: Callable, trainer: Run) -> None:
-        self._callback = callback
-        self._trainer = trainer
-        self.broken = False
-
-    def __call__(self, event) -> None:
-        if self.broken:
-            return
-        try:
-            self._callback(event)
-        except BrokenPipeError:
-            self.broken = True
-            self._trainer.stop()
-
-
-def _silence_stdout() -> None:
-    """Point stdout at /dev/null so the interpreter's last flush does not fail on the closed pipe."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-    except (OSError, ValueError):  # no real file descriptor (tests): nothing will be flushed there
-        pass
 
 
 class _EventLog:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .script_run import GRACE_S, ScriptRun, ScriptTarget
+from .stdout_pipe import StopOnBrokenPipe, silence_stdout
 from .usage import EXIT_USAGE, Parser, UsageError, check_log_path, number
 from .usage import parse_devices as parse_device_names
 
@@ -131,7 +132,7 @@ def main(argv: Sequence[str]) -> int:
 def _run_headless(run: ScriptRun, json_out: bool) -> int:
     from .script_events import JsonLines
 
-    guard = _StopOnBrokenPipe(JsonLines(sys.stdout), run)
+    guard = StopOnBrokenPipe(JsonLines(sys.stdout), run)
     if json_out:
         run.subscribe(guard)
     signals = 0
@@ -152,26 +153,7 @@ def _run_headless(run: ScriptRun, json_out: bool) -> int:
             signal.signal(signum, handler)
     if guard.broken:
         # Piped into e.g. `head`, which has read enough: not the script's failure, nor ours.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's last flush does not fail
-        os.close(devnull)
+        silence_stdout()
         return 0
     return run.exit_code if run.exit_code is not None else EXIT_USAGE
 
-
-class _StopOnBrokenPipe:
-    """stdout's reader went away (`| head`): stop the script instead of failing every event."""
-
-    def __init__(self, callback, run: ScriptRun) -> None:
-        self._callback = callback
-        self._run = run
-        self.broken = False
-
-    def __call__(self, event) -> None:
-        if self.broken:
-            return
-        try:
-            self._callback(event)
-        except BrokenPipeError:
-            self.broken = True
-            self._run.stop()
