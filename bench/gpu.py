@@ -26,9 +26,9 @@ import torch
 from torch import nn
 
 from dpengine import DataParallel
+from dpengine.run.workloads import builtin_workload
 from dpengine.telemetry import NvmlSource, TelemetryPoller
 from dpengine.telemetry.poller import MIN_INTERVAL
-from dpengine.workloads import builtin_workload
 
 from .common import Goal, Row, Section, Stat
 from .training import Stepper, fixed_batches

@@ -28,7 +28,7 @@ CHILD = r"""
 import ctypes, json, os, platform, resource, sys, threading, time
 import torch
 from dpengine import DataParallel
-from dpengine.workloads import builtin_workload
+from dpengine.run.workloads import builtin_workload
 
 def peak_mib():
     # VmHWM: this process's own peak RSS. Not getrusage's ru_maxrss, which Linux carries over

@@ -1,6 +1,6 @@
 """3. Full training steps on the seed and mlp workloads: dpengine on 1, 2, 4 virtual devices vs plain.
 
-A step is what dpengine.trainer.Trainer does per batch: forward, loss, zero_grad(set_to_none),
+A step is what dpengine.run.trainer.Trainer does per batch: forward, loss, zero_grad(set_to_none),
 backward, optimizer step, loss.item(); the dpengine candidates also read `last_step`, as
 the trainer does. Every candidate has its own copy of the workload (same seed, so the same
 initial weights and data) and walks the same fixed sequence of batches.
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from dpengine import DataParallel
-from dpengine.workloads import Workload, builtin_workload
+from dpengine.run.workloads import Workload, builtin_workload
 
 from .common import Goal, Section, interleave, stats, time_rows
 

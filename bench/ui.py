@@ -1,7 +1,7 @@
 """5. UI cost: training throughput with the Textual app running against headless.
 
 The same training run (mlp workload, 2 virtual devices, seed 0, a fixed number of epochs,
-telemetry at the CLI's default 1 s) is made by dpengine.trainer.Trainer either
+telemetry at the CLI's default 1 s) is made by dpengine.run.trainer.Trainer either
 - headless: `Trainer.run()` on this (the main) thread, nothing else running, and the same
   on a thread of its own, since that is how the app runs it; or
 - under the UI: tui.app.DptuiApp inside `App.run_test()` (Textual's headless driver, which
@@ -18,9 +18,9 @@ import statistics
 import threading
 import time
 
-from dpengine.events import RunFailed, RunFinished, StepFinished
-from dpengine.trainer import Trainer
-from dpengine.workloads import builtin_workload
+from dpengine.eventlog.events import RunFailed, RunFinished, StepFinished
+from dpengine.run.trainer import Trainer
+from dpengine.run.workloads import builtin_workload
 
 from .common import Goal, Row, Section
 

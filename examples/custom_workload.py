@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.nn import Parameter
 from torch.utils.data import DataLoader, TensorDataset
 
-from dpengine.workloads import Workload
+from dpengine.run.workloads import Workload
 
 FEATURES = 8
 

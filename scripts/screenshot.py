@@ -18,9 +18,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from dpengine.events import StepFinished  # noqa: E402
-from dpengine.trainer import Trainer  # noqa: E402
-from dpengine.workloads import builtin_workload  # noqa: E402
+from dpengine.eventlog.events import StepFinished  # noqa: E402
+from dpengine.run.trainer import Trainer  # noqa: E402
+from dpengine.run.workloads import builtin_workload  # noqa: E402
 from tui.app import DptuiApp  # noqa: E402
 
 PAUSE_AFTER_STEP = 82

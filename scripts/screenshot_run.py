@@ -15,8 +15,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from tui.script_app import ScriptApp  # noqa: E402
-from tui.script_run import ScriptRun, ScriptTarget  # noqa: E402
+from tui.script.app import ScriptApp  # noqa: E402
+from tui.script.script_run import ScriptRun, ScriptTarget  # noqa: E402
 
 DEVICES = ("cpu:0", "cpu:1", "cpu:2")
 AVAILABLE = (*DEVICES, "cpu:3")

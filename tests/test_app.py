@@ -16,26 +16,25 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from reference_loop import chunk_sizes
 from rich.console import Console
 from textual import events
 from textual.widgets import Input, SelectionList, Static
 from torch import nn
 from torch.utils.data import TensorDataset
+from ui_fakes import FixedTelemetry, ScriptedTrainer, demo_events, factory_of, gpu_sample, step_event
 
-from dpengine.events import ConfigChanged, RunFailed, StateChanged, StepFinished
-from dpengine.trainer import Trainer
-from dpengine.workloads import Workload, builtin_workload
+from dpengine.eventlog.events import ConfigChanged, RunFailed, StateChanged, StepFinished
+from dpengine.run.trainer import Trainer
+from dpengine.run.workloads import Workload, builtin_workload
 from tui.app import DptuiApp
+from tui.event_text import model_lines
 from tui.screens.batch_size import BatchSizeScreen
 from tui.screens.devices import DevicesScreen
 from tui.screens.help import HelpScreen
 from tui.session import Session
-from tui.event_text import model_lines
 from tui.state import LOG_EVERY_S, DeviceView, RunView
 from tui.widgets.device_panel import DevicePanel, body_lines
-
-from reference_loop import chunk_sizes
-from ui_fakes import FixedTelemetry, ScriptedTrainer, demo_events, factory_of, gpu_sample, step_event
 
 DEVICES = ("cpu:0", "cpu:1", "cpu:2")
 

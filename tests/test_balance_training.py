@@ -6,13 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
-
-from dpengine.events import SplitChanged, StepFinished, to_json_dict
-from dpengine.trainer import Trainer
-from dpengine.workloads import builtin_workload
-from tui.cli import EXIT_OK, EXIT_USAGE, main
-
 from fixtures.slow_device import slow_device_workload
+
+from dpengine.eventlog.events import SplitChanged, StepFinished, to_json_dict
+from dpengine.run.trainer import Trainer
+from dpengine.run.workloads import builtin_workload
+from tui.cli import EXIT_OK, EXIT_USAGE, main
 
 THREE = ["cpu:0", "cpu:1", "cpu:2"]
 SLOW = str(Path(__file__).parent / "fixtures" / "slow_device.py") + ":slow_device_workload"

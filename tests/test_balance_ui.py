@@ -7,15 +7,15 @@ import dataclasses
 import time
 
 from textual.widgets import Input
+from ui_fakes import ScriptedTrainer, demo_events, factory_of, step_event
 
-from dpengine.events import SplitChanged
+from dpengine.eventlog.events import SplitChanged
 from tui.app import DptuiApp
 from tui.screens.weights import WeightsScreen
 from tui.session import Session
 from tui.state import DeviceView, RunView
 from tui.widgets.device_panel import body_lines
 from tui.widgets.status_bar import status_text
-from ui_fakes import ScriptedTrainer, demo_events, factory_of, step_event
 
 DEVICES = ("cpu:0", "cpu:1", "cpu:2")
 

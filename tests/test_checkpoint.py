@@ -1,4 +1,4 @@
-"""dpengine/checkpoint.py: one reader and writer for checkpoints, and each --resume file read once."""
+"""dpengine/run/checkpoint.py: one reader and writer for checkpoints, and each --resume file read once."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import dpengine.checkpoint as checkpoint_module
-from dpengine.checkpoint import CheckpointError, check_fits, read_checkpoint, save_checkpoint
-from dpengine.pending import PendingChanges
-from dpengine.run_state import RunState
-from dpengine.trainer import Trainer
-from dpengine.workloads import builtin_workload
+import dpengine.run.checkpoint as checkpoint_module
+from dpengine.run.checkpoint import CheckpointError, check_fits, read_checkpoint, save_checkpoint
+from dpengine.run.pending import PendingChanges
+from dpengine.run.run_state import RunState
+from dpengine.run.trainer import Trainer
+from dpengine.run.workloads import builtin_workload
 from tui.cli import main
 
 

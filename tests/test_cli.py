@@ -17,13 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from dpengine.events import RunFinished
-from dpengine.runlog import JsonLinesWriter
-from tui.cli import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, main
-
-
 from reference_loop import chunk_sizes
+
+from dpengine.eventlog.events import RunFinished
+from dpengine.eventlog.writer import JsonLinesWriter
+from tui.cli import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, main
 
 ROOT = Path(__file__).resolve().parents[1]
 FIX = Path(__file__).resolve().parent / "fixtures" / "dptui_test_workloads.py"

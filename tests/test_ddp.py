@@ -23,16 +23,16 @@ import torch
 from dpengine.distributed import DdpTrainer, WorkloadSpec
 from dpengine.distributed.channel import is_comm_error
 from dpengine.distributed.torchrun import torchrun_env
-from dpengine.events import (
+from dpengine.eventlog.events import (
     ConfigChanged,
     RunFailed,
     RunFinished,
     StateChanged,
     StepFinished,
 )
-from dpengine.runlog import JsonLinesWriter
-from dpengine.trainer import Trainer
-from dpengine.workloads import load_workload
+from dpengine.eventlog.writer import JsonLinesWriter
+from dpengine.run.trainer import Trainer
+from dpengine.run.workloads import load_workload
 
 FIXTURES = Path(__file__).parent / "fixtures"
 DDP_WORKLOADS = FIXTURES / "ddp_workloads.py"

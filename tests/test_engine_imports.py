@@ -1,4 +1,5 @@
-"""The engine stands alone: importing any of it loads neither Textual nor dptui's UI."""
+"""The layers stand apart: importing any of dpengine loads neither Textual nor dptui's UI; the
+engine core imports neither the run layer nor the event log; the event log imports no run layer."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def engine_modules() -> list[str]:
 
 def test_every_engine_module_imports_without_the_ui():
     modules = engine_modules()
-    assert "dpengine.distributed.worker" in modules and "dpengine.trainer" in modules
+    assert "dpengine.distributed.worker" in modules and "dpengine.run.trainer" in modules
     script = (
         "import importlib, json, sys\n"
         f"for name in {modules!r}:\n"
@@ -49,3 +50,53 @@ def test_no_engine_module_imports_the_ui_even_inside_a_function():
                 continue
             offenders += [f"{path.name}: {n}" for n in names if n.split(".")[0] in ("textual", "tui")]
     assert offenders == []
+
+
+def imported_modules(path: Path) -> list[str]:
+    """Every module `path` imports, at the top or inside a function, relative imports resolved."""
+    package = ".".join(path.relative_to(ENGINE.parent).with_suffix("").parts[:-1])
+    names = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            # `from . import x` may name a submodule: count both
+            names += [module] + [f"{module}.{alias.name}" for alias in node.names]
+    return names
+
+
+def layer_offenders(folder: Path, forbidden: tuple[str, ...], *, top_only: bool = False) -> list[str]:
+    paths = sorted(folder.glob("*.py") if top_only else folder.rglob("*.py"))
+    return [
+        f"{path.relative_to(ENGINE.parent)}: {name}"
+        for path in paths
+        if path.name != "__init__.py" or not top_only
+        for name in imported_modules(path)
+        if any(name == f or name.startswith(f + ".") for f in forbidden)
+    ]
+
+
+def test_the_engine_core_imports_neither_the_run_layer_nor_the_event_log():
+    # dpengine's top level is the engine, as torch's nn/parallel is: scatter, replicate, apply, gather.
+    assert (ENGINE / "data_parallel.py").exists() and (ENGINE / "run" / "trainer.py").exists()
+    assert layer_offenders(ENGINE, ("dpengine.run", "dpengine.eventlog", "dpengine.script",
+                                    "dpengine.distributed"), top_only=True) == []
+
+
+def test_the_event_log_imports_no_run_layer():
+    assert layer_offenders(ENGINE / "eventlog", ("dpengine.run", "dpengine.script", "dpengine.distributed")) == []
+
+
+def test_the_layer_check_sees_a_relative_import(tmp_path, monkeypatch):
+    # The check itself must catch `from ..run import x` inside a function.
+    fake_engine = tmp_path / "dpengine"
+    (fake_engine / "eventlog").mkdir(parents=True)
+    (fake_engine / "eventlog" / "bad.py").write_text("def f():\n    from ..run.trainer import Trainer\n")
+    monkeypatch.setattr(sys.modules[__name__], "ENGINE", fake_engine)
+    assert layer_offenders(fake_engine / "eventlog", ("dpengine.run",)) == [
+        "dpengine/eventlog/bad.py: dpengine.run.trainer", "dpengine/eventlog/bad.py: dpengine.run.trainer.Trainer"]

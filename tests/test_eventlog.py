@@ -11,17 +11,10 @@ import time
 from collections.abc import Callable
 
 import pytest
+from ui_fakes import demo_events, gpu_sample, step_event
 
-from dpengine import eventlog
-from dpengine.eventlog import (
-    EventLogError,
-    EventLogReader,
-    OtherEvent,
-    check_event_log,
-    decode_event,
-    read_event_log,
-)
-from dpengine.events import (
+from dpengine.eventlog import reader as eventlog
+from dpengine.eventlog.events import (
     ConfigChanged,
     RunFailed,
     RunFinished,
@@ -31,11 +24,17 @@ from dpengine.events import (
     TelemetrySampled,
     to_json_dict,
 )
-from dpengine.recorded_run import RecordedRun
-from dpengine.run_summary import summarize
-from dpengine.runlog import JsonLinesWriter
-
-from ui_fakes import demo_events, gpu_sample, step_event
+from dpengine.eventlog.reader import (
+    EventLogError,
+    EventLogReader,
+    OtherEvent,
+    check_event_log,
+    decode_event,
+    read_event_log,
+)
+from dpengine.eventlog.summary import summarize
+from dpengine.eventlog.writer import JsonLinesWriter
+from dpengine.run.recorded_run import RecordedRun
 
 DEVICES = ("cpu:0", "cpu:1", "cpu:2")
 

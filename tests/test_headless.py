@@ -11,8 +11,9 @@ import re
 
 import pytest
 import torch
+from reference_loop import chunk_sizes, reference_run
 
-from dpengine.events import (
+from dpengine.eventlog.events import (
     ConfigChanged,
     EpochFinished,
     RunConfig,
@@ -24,14 +25,11 @@ from dpengine.events import (
     TelemetrySampled,
 )
 from dpengine.records import ReplicaRecord, StepRecord
+from dpengine.run.workloads import builtin_workload
 from dpengine.telemetry.sample import DeviceSample
-from dpengine.workloads import builtin_workload
 from tui.cli import main
 from tui.event_text import torch_size
 from tui.headless import TextPrinter
-
-
-from reference_loop import chunk_sizes, reference_run
 
 SEED_BATCHES = [30, 30, 30, 10]  # 100 samples at batch 30
 EPOCH_LINE = re.compile(r"^epoch (\d+): loss (\d+\.\d{6}), (\d+) steps, (\d+) samples, [\d,]+ samples/s$")

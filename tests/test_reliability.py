@@ -102,7 +102,7 @@ def test_checkpoint_every_bounds_what_a_kill_9_loses(tmp_path: Path, backend: st
 
 
 def test_a_failed_save_leaves_no_partial_and_the_next_save_replaces_a_stale_one(tmp_path: Path) -> None:
-    from dpengine.checkpoint import save_checkpoint
+    from dpengine.run.checkpoint import save_checkpoint
 
     class Unpicklable:
         def __reduce__(self):

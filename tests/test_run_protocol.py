@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
+from ui_fakes import ScriptedTrainer, demo_events
+
 from dpengine import ControlUnsupported, Run
 from dpengine.distributed import DdpTrainer, WorkloadSpec
-from dpengine.run_protocol import ALL_CONTROLS, BALANCE, BATCH_SIZE, DEVICES, PAUSE
-from dpengine.trainer import Trainer
-from dpengine.workloads import builtin_workload
+from dpengine.run.protocol import ALL_CONTROLS, BALANCE, BATCH_SIZE, DEVICES, PAUSE
+from dpengine.run.trainer import Trainer
+from dpengine.run.workloads import builtin_workload
 from tui.session import Session
 from tui.state import RunView
-
-from ui_fakes import ScriptedTrainer, demo_events
 
 
 def test_both_trainers_are_runs_with_every_control():

@@ -18,8 +18,8 @@ import psutil
 import pytest
 from textual import events
 
-from tui.script_app import ScriptApp
-from tui.script_run import BATCH_OWNED, ScriptRun, ScriptTarget
+from tui.script.app import ScriptApp
+from tui.script.script_run import BATCH_OWNED, ScriptRun, ScriptTarget
 from tui.widgets.device_panel import DevicePanel
 
 SCRIPTS = Path(__file__).parent / "fixtures" / "scripts"

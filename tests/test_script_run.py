@@ -13,14 +13,13 @@ from pathlib import Path
 
 import psutil
 import pytest
-
-from dpengine.run_protocol import BALANCE, BATCH_SIZE, Run
 import torch
 
-from dpengine.events import StateChanged, StepFinished
+from dpengine.eventlog.events import StateChanged, StepFinished
+from dpengine.run.protocol import BALANCE, BATCH_SIZE, Run
 from tui.cli import main
-from tui.script_events import ScriptOutput
-from tui.script_run import BATCH_OWNED, ScriptRun, ScriptTarget
+from tui.script.events import ScriptOutput
+from tui.script.script_run import BATCH_OWNED, ScriptRun, ScriptTarget
 
 SCRIPTS = Path(__file__).parent / "fixtures" / "scripts"
 EXAMPLE = Path(__file__).parent.parent / "examples" / "train_script.py"

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from reference_loop import chunk_sizes, clone_state, reference_run
 
-from dpengine.events import (
+from dpengine.eventlog.events import (
     ConfigChanged,
     EpochFinished,
     Event,
@@ -28,12 +29,9 @@ from dpengine.events import (
     StepFinished,
     TelemetrySampled,
 )
+from dpengine.run.trainer import Trainer
+from dpengine.run.workloads import Workload, builtin_workload, load_workload
 from dpengine.telemetry import open_telemetry
-from dpengine.trainer import Trainer
-from dpengine.workloads import Workload, builtin_workload, load_workload
-
-
-from reference_loop import chunk_sizes, clone_state, reference_run
 
 FIXTURES = Path(__file__).parent / "fixtures" / "dptui_test_workloads.py"
 THREE = ["cpu:0", "cpu:1", "cpu:2"]

@@ -14,18 +14,17 @@ from pathlib import Path
 
 import pytest
 from textual import events as keys
-
-from dpengine.eventlog import read_event_log
-from dpengine.events import RunFinished, SplitChanged, StepFinished
-from dpengine.recorded_run import RecordedRun
-from dpengine.runlog import JsonLinesWriter
-from tui.cli import main
-from tui.replay import ReplayView
-from tui.state import RunView
-from tui.view_app import ViewerApp
-from tui.widgets.device_panel import DevicePanel
-
 from ui_fakes import demo_events, step_event
+
+from dpengine.eventlog.events import RunFinished, SplitChanged, StepFinished
+from dpengine.eventlog.reader import read_event_log
+from dpengine.eventlog.writer import JsonLinesWriter
+from dpengine.run.recorded_run import RecordedRun
+from tui.cli import main
+from tui.state import RunView
+from tui.view.app import ViewerApp
+from tui.view.replay import ReplayView
+from tui.widgets.device_panel import DevicePanel
 
 DEVICES = ("cpu:0", "cpu:1", "cpu:2")
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
-from dpengine.workloads import (
+from dpengine.run.workloads import (
     BUILTIN_WORKLOADS,
     Workload,
     WorkloadError,

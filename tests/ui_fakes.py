@@ -8,7 +8,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 
-from dpengine.events import (
+from reference_loop import chunk_sizes
+
+from dpengine.eventlog.events import (
     EpochFinished,
     Event,
     RunConfig,
@@ -19,9 +21,8 @@ from dpengine.events import (
     TelemetrySampled,
 )
 from dpengine.records import ReplicaRecord, StepRecord
-from dpengine.run_protocol import ALL_CONTROLS, BALANCE, BATCH_SIZE, DEVICES, PAUSE, ControlUnsupported
+from dpengine.run.protocol import ALL_CONTROLS, BALANCE, BATCH_SIZE, DEVICES, PAUSE, ControlUnsupported
 from dpengine.telemetry.sample import DeviceSample
-from reference_loop import chunk_sizes
 
 GIB = 1024**3
 CPU_SENSORS = ("temperature_c", "power_w", "power_limit_w", "sm_clock_mhz")

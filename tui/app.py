@@ -14,6 +14,7 @@ import contextlib
 import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rich.text import Text
@@ -25,7 +26,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Footer
 from textual.worker import Worker, WorkerCancelled, WorkerFailed
 
-from dpengine.events import RunFailed, RunFinished
+from dpengine.eventlog.events import RunFailed, RunFinished
 
 from . import format as fmt
 from .screens.batch_size import BatchSizeScreen
@@ -40,7 +41,7 @@ from .widgets.run_log import RunLog
 from .widgets.status_bar import StatusBar
 
 if TYPE_CHECKING:
-    from dpengine.run_protocol import Run
+    from dpengine.run.protocol import Run
 
 TrainerFactory = Callable[[], "Run"]  # builds a fresh run: the threaded or DDP trainer, a script, a log
 
@@ -60,7 +61,8 @@ RUN_ACTIONS = {"scale_batch", "ask_batch", "toggle_device", "pick_devices", "tog
 
 
 class DptuiApp(App[None]):
-    CSS_PATH = "app.tcss"
+    # Absolute: Textual resolves a relative path beside each subclass's own module (tui/script, tui/view).
+    CSS_PATH = Path(__file__).with_name("app.tcss")
     TITLE = "dptui"
     VERTICAL_BREAKPOINTS = [(0, "-short"), (32, "-tall")]  # short: compact device panels
     BINDINGS = [

@@ -30,14 +30,14 @@ from .usage import (
 )
 
 if TYPE_CHECKING:
-    from dpengine.run_protocol import Run
+    from dpengine.run.protocol import Run
 
 RunFactory = Callable[[], "Run"]
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 130, 143
 
 # `dptui NAME ...`: each subcommand parses its own arguments in its module's main(argv).
-SUBCOMMANDS = {"run": "tui.run_cli", "view": "tui.view_cli"}
+SUBCOMMANDS = {"run": "tui.script.cli", "view": "tui.view.cli"}
 SUBCOMMAND_HELP = """subcommands:
   dptui run [OPTIONS] (SCRIPT.py | -m MODULE) [ARGS...]
                         watch your own, unchanged training script (dptui run --help)
@@ -141,9 +141,9 @@ def _parse_balance(text: str, device_count: int):
 
 def make_trainer_factory(settings: Settings, headless: bool) -> RunFactory:
     """Load and check the workload once (exit 2 if bad); the factory builds fresh trainers."""
-    from dpengine.checkpoint import CheckpointError, check_fits, read_checkpoint
-    from dpengine.trainer import Trainer
-    from dpengine.workloads import WorkloadError, check_workload, load_workload
+    from dpengine.run.checkpoint import CheckpointError, check_fits, read_checkpoint
+    from dpengine.run.trainer import Trainer
+    from dpengine.run.workloads import WorkloadError, check_workload, load_workload
 
     args = settings.args
     try:
@@ -193,8 +193,8 @@ def make_trainer_factory(settings: Settings, headless: bool) -> RunFactory:
 
 
 def run_headless(settings: Settings, factory: RunFactory, log: _EventLog | None = None) -> int:
-    from dpengine.events import RunFailed
-    from dpengine.runlog import JsonLinesWriter
+    from dpengine.eventlog.events import RunFailed
+    from dpengine.eventlog.writer import JsonLinesWriter
 
     from .headless import TextPrinter
 
@@ -235,7 +235,7 @@ class _EventLog:
     """
 
     def __init__(self, path: str) -> None:
-        from dpengine.runlog import JsonLinesWriter
+        from dpengine.eventlog.writer import JsonLinesWriter
 
         self.path = path
         self._file = open(path, "w", encoding="utf-8")

@@ -7,7 +7,7 @@ tutorial's wording and the log is terser, both wordings live here side by side.
 
 from __future__ import annotations
 
-from dpengine.events import (
+from dpengine.eventlog.events import (
     ConfigChanged,
     EpochFinished,
     RunConfig,

@@ -6,7 +6,7 @@ import sys
 import threading
 from typing import IO
 
-from dpengine.events import (
+from dpengine.eventlog.events import (
     ConfigChanged,
     EpochFinished,
     Event,

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from .state import RunView
 
 if TYPE_CHECKING:
-    from dpengine.run_protocol import Run
+    from dpengine.run.protocol import Run
 
 
 class Session:

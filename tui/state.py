@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from dpengine.events import (
+from dpengine.eventlog.events import (
     ConfigChanged,
     EpochFinished,
     Event,

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from dpengine.run_protocol import Run
+    from dpengine.run.protocol import Run
 
 
 class StopOnBrokenPipe:

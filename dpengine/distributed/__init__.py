@@ -5,7 +5,7 @@
     trainer.subscribe(print)
     trainer.run()
 
-`DdpTrainer` has `dpengine.trainer.Trainer`'s API and publishes its events, with one replica
+`DdpTrainer` has `dpengine.run.trainer.Trainer`'s API and publishes its events, with one replica
 record per rank; for the same seed the chunks, the losses and the weights equal the threaded
 backend's. On one machine `run()` starts the rank processes itself (gloo on CPU, nccl on
 CUDA); across machines run `python -m tui.torchrun` under torchrun (see that module for the

@@ -30,7 +30,7 @@ from multiprocessing.connection import Connection
 
 import torch.distributed as dist
 
-from ..failures import error_line
+from ..run.failures import error_line
 from .messages import Alive, ErrorReport
 
 FD_ENV = "DPTUI_DDP_FD"  # the inherited socket of a spawned rank

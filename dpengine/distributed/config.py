@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..balance import Balance
-from ..pending import Change
-from ..workloads import Workload, load_workload
+from ..run.pending import Change
+from ..run.workloads import Workload, load_workload
 
 
 @dataclass(frozen=True)

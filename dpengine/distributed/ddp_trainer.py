@@ -32,9 +32,8 @@ import torch
 import torch.distributed as dist
 
 from ..balance import Balance, check_balance
-from ..checkpoint import Checkpoint
 from ..devices import DeviceLike, available_devices, device_name, resolve_devices
-from ..events import (
+from ..eventlog.events import (
     ConfigChanged,
     Event,
     RunConfig,
@@ -45,16 +44,16 @@ from ..events import (
     StepFinished,
     TelemetrySampled,
 )
-from ..failures import run_failed
-from ..pending import Change
-from ..run_protocol import ALL_CONTROLS, DEVICES, ControlUnsupported
-from ..steering import TrainerBase, check_batch_size
+from ..run.checkpoint import Checkpoint
+from ..run.failures import run_failed
+from ..run.pending import Change
+from ..run.protocol import ALL_CONTROLS, DEVICES, ControlUnsupported
+from ..run.trainer_base import TrainerBase, check_batch_size
 from ..telemetry import TelemetryPoller, TelemetrySource
 from .config import RankConfig, WorkloadSpec
 from .launcher import SpawnedGroup, TorchrunGroup, describe_exit, threads_per_rank
 from .messages import Alive, ErrorReport, Finished, Forward, Published, Ready, Restart, Steer
 from .torchrun import torchrun_env, torchrun_session
-
 
 _POLL_S = 0.1
 FAILURE_GRACE_S = 2.0  # after a "peer went away" error, how long to wait for the real culprit
@@ -62,7 +61,7 @@ LIVENESS_S = 30.0  # a spawned rank silent this long (no heartbeat, see channel.
 
 
 class DdpTrainer(TrainerBase):
-    """Same API as `dpengine.trainer.Trainer`, on DistributedDataParallel: one process per device.
+    """Same API as `dpengine.run.trainer.Trainer`, on DistributedDataParallel: one process per device.
 
     `workload` is a `WorkloadSpec` (model target, dataset target, seed), since each rank builds
     its own copy. `step_timeout` is the process-group timeout in seconds: the longest one rank

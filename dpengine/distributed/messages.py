@@ -3,7 +3,7 @@
 host -> rank 0 (over its channel; `channel.py`):
   RankConfig                  the first message to every spawned rank (config.py)
   Steer("pause"|"resume"|"stop")
-  Change(seq, batch_size | devices | balance)   a batch size, device or split change (dpengine/pending.py)
+  Change(seq, batch_size | devices | balance)   a batch size, device or split change (dpengine/run/pending.py)
   Published(step)             step N's subscribers have run: rank 0 may start step N+1
 rank -> host (handled in `DdpTrainer._pump`, ddp_trainer.py):
   Ready, Forward(event), Finished(result), Restart(...)   each with `acked`, the newest
@@ -20,8 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..balance import Balance
-from ..events import Event, RunFinished
-from ..pending import Change
+from ..eventlog.events import Event, RunFinished
+from ..run.pending import Change
 
 __all__ = [
     "Alive", "Change", "Decision", "ErrorReport", "Finished", "Forward", "Published", "Ready", "Restart", "Steer",

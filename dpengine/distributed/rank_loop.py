@@ -39,17 +39,17 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ..balance import Balance, Balancer, BalancePlan, balance_name, balanced_sizes, normalized
-from ..batches import batch_of, move_optimizer_state, to_device
-from ..checkpoint import as_checkpoint, restore_restart, restore_run, save_restart
+from ..balance import Balance, BalancePlan, Balancer, balance_name, balanced_sizes, normalized
 from ..devices import parse_device
-from ..epoch_loop import Boundary, EpochLoop
-from ..events import ConfigChanged, EpochFinished, Event, SplitChanged, StateChanged, TelemetrySampled
-from ..failures import check_loss
+from ..eventlog.events import ConfigChanged, EpochFinished, Event, SplitChanged, StateChanged, TelemetrySampled
 from ..instrument import ReplicaProbe, tensors_of
-from ..pending import Change, PendingChanges
 from ..records import StepRecord
-from ..run_state import RunState
+from ..run.batches import batch_of, move_optimizer_state, to_device
+from ..run.checkpoint import as_checkpoint, restore_restart, restore_run, save_restart
+from ..run.epoch_loop import Boundary, EpochLoop
+from ..run.failures import check_loss
+from ..run.pending import Change, PendingChanges
+from ..run.run_state import RunState
 from ..scatter_gather import even_sizes, weighted_sizes
 from ..telemetry.rank import RankTelemetry
 from ..telemetry.sample import DeviceSample

@@ -21,7 +21,7 @@ from typing import Any
 
 import psutil
 
-from ..events import StepFinished, to_json_dict
+from ..eventlog.events import StepFinished, to_json_dict
 from ..records import StepRecord
 
 MAX_QUEUED_STEPS = 256

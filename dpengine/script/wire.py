@@ -1,6 +1,6 @@
 """What crosses the private pipes between a script run by `dptui run` and dptui.
 
-Child -> dptui, one JSON object per line (steps use the `step` form of dpengine.events):
+Child -> dptui, one JSON object per line (steps use the `step` form of dpengine.eventlog.events):
   {"type": "dp_created", "instance": KEY, "name": TEXT, "devices": [...]}   (once per KEY)
   {"type": "step", "instance": KEY, ...to_json_dict(StepFinished)}
   {"type": "threads", "instance": KEY, "threads": {device: native thread id}}
@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..events import StepFinished
+from ..eventlog.events import StepFinished
 from ..records import ReplicaRecord, StepRecord
 
 # Environment variables the bootstrap reads (and removes, so the script's own children do not see them).

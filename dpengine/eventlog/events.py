@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Union
 
-from .records import StepRecord
-from .telemetry.sample import DeviceSample
+from ..records import StepRecord
+from ..telemetry.sample import DeviceSample
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 import traceback
 
-from .events import RunFailed
-from .parallel_apply import replica_failure
+from ..eventlog.events import RunFailed
+from ..parallel_apply import replica_failure
 
 
 def one_line(text: str) -> str:

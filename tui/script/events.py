@@ -7,7 +7,7 @@ import threading
 from dataclasses import asdict, dataclass
 from typing import IO, Any
 
-from dpengine.events import Event, to_json_dict
+from dpengine.eventlog.events import Event, to_json_dict
 
 
 @dataclass(frozen=True, slots=True)

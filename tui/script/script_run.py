@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
-from dpengine.events import (
+from dpengine.eventlog.events import (
     ConfigChanged,
     Publisher,
     RunConfig,
@@ -30,10 +30,10 @@ from dpengine.events import (
     StateChanged,
     TelemetrySampled,
 )
-from dpengine.run_protocol import BALANCE, BATCH_SIZE, DEVICES, PAUSE, ControlUnsupported
+from dpengine.run.protocol import BALANCE, BATCH_SIZE, DEVICES, PAUSE, ControlUnsupported
 from dpengine.script import wire
 
-from .script_events import DataParallelSeen, ScriptExited, ScriptOutput, ScriptStarted
+from .events import DataParallelSeen, ScriptExited, ScriptOutput, ScriptStarted
 
 GRACE_S = 5.0  # after SIGINT, then after SIGTERM, before the next signal
 BATCH_OWNED = "The script owns its batch size: change it in the script."
@@ -57,7 +57,7 @@ class ScriptTarget:
 
 
 class ScriptRun(Publisher):
-    """A `Run` (dpengine.run_protocol): the script pauses and changes devices; its batch size is its own."""
+    """A `Run` (dpengine.run.protocol): the script pauses and changes devices; its batch size is its own."""
 
     controls: frozenset[str] = frozenset({PAUSE, DEVICES})
 

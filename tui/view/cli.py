@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
-from .usage import EXIT_USAGE, Parser, UsageError
+from ..usage import EXIT_USAGE, Parser, UsageError
 
 EXIT_OK, EXIT_INTERRUPTED = 0, 130
 
@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_log(path: str, follow: bool) -> None:
     """A UsageError unless `path` is a readable dptui log (empty only while following)."""
-    from dpengine.eventlog import EventLogError, check_event_log
+    from dpengine.eventlog.reader import EventLogError, check_event_log
 
     file = Path(path)
     if not file.exists():
@@ -52,10 +52,10 @@ def check_log(path: str, follow: bool) -> None:
 
 def summary_lines(events: Sequence[object]) -> list[str]:
     """The run in one line, then a table with one row per device."""
-    from dpengine.events import RunFailed, RunFinished, RunStarted, StepFinished
-    from dpengine.run_summary import summarize
+    from dpengine.eventlog.events import RunFailed, RunFinished, RunStarted, StepFinished
+    from dpengine.eventlog.summary import summarize
 
-    from . import format as fmt
+    from .. import format as fmt
 
     started = next((e for e in events if isinstance(e, RunStarted)), None)
     end = next((e for e in reversed(events) if isinstance(e, (RunFinished, RunFailed))), None)
@@ -92,8 +92,8 @@ def print_summary(recording, out: IO[str]) -> int:
 
 
 def main(argv: Sequence[str]) -> int:
-    from dpengine.eventlog import EventLogError
-    from dpengine.recorded_run import RecordedRun
+    from dpengine.eventlog.reader import EventLogError
+    from dpengine.run.recorded_run import RecordedRun
 
     try:
         args = build_parser().parse_args(argv)
@@ -102,7 +102,7 @@ def main(argv: Sequence[str]) -> int:
         recording = RecordedRun(args.log, follow=args.follow, stop_at_end=args.headless)
         if args.headless:
             return print_summary(recording, sys.stdout)
-        from .view_app import run_viewer
+        from .app import run_viewer
 
         return run_viewer(recording)
     except (UsageError, EventLogError) as error:

@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from ..records import ReplicaRecord, StepRecord
+from ..telemetry.sample import DeviceSample
 from .events import (
     ConfigChanged,
     EpochFinished,
@@ -28,8 +30,6 @@ from .events import (
     StepFinished,
     TelemetrySampled,
 )
-from .records import ReplicaRecord, StepRecord
-from .telemetry.sample import DeviceSample
 
 
 class EventLogError(ValueError):

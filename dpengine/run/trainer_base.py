@@ -2,7 +2,7 @@
 
 pause(), resume() and stop() come from any thread: each sets its flag under `lock`, then
 `_tell()`s the run loop, which acts on it at the next step boundary. Batch size, device and
-split changes wait in `PendingChanges` (dpengine/pending.py) until a boundary applies them.
+split changes wait in `PendingChanges` (dpengine/run/pending.py) until a boundary applies them.
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import os
 import threading
 from pathlib import Path
 
+from ..eventlog.events import Publisher, RunConfig
+from ..telemetry import TelemetrySource
 from .checkpoint import Checkpoint, as_checkpoint
-from .events import Publisher, RunConfig
 from .pending import PendingChanges
-from .run_protocol import ALL_CONTROLS
-from .telemetry import TelemetrySource
+from .protocol import ALL_CONTROLS
 from .workloads import Workload
 
 

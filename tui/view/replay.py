@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 
-from dpengine.events import (
+from dpengine.eventlog.events import (
     ConfigChanged,
     RunFailed,
     RunStarted,
@@ -23,7 +23,7 @@ from dpengine.events import (
     TelemetrySampled,
 )
 
-from .state import ENDED, HISTORY_POINTS, LogLine, RunView, Snapshot
+from ..state import ENDED, HISTORY_POINTS, LogLine, RunView, Snapshot
 
 # Before a rebuilt window: the latest of each kind tells what was in force at its start.
 _CONTEXT_KINDS = (RunStarted, ConfigChanged, SplitChanged, StateChanged, TelemetrySampled)

@@ -12,15 +12,15 @@ from collections.abc import Callable
 from rich.text import Text
 from textual.binding import Binding
 
-from dpengine.events import Event, RunFailed, RunFinished, RunStarted
+from dpengine.eventlog.events import Event, RunFailed, RunFinished, RunStarted
 
-from . import format as fmt
-from .app import DptuiApp
-from .script_events import DataParallelSeen, ScriptEvent, ScriptExited, ScriptOutput
+from .. import format as fmt
+from ..app import DptuiApp
+from ..session import Session
+from ..state import HISTORY_POINTS, LogLine, Notice, RunView, Snapshot
+from ..widgets.status_bar import STATE_STYLES, StatusBar
+from .events import DataParallelSeen, ScriptEvent, ScriptExited, ScriptOutput
 from .script_run import BATCH_OWNED, ScriptRun
-from .session import Session
-from .state import HISTORY_POINTS, LogLine, Notice, RunView, Snapshot
-from .widgets.status_bar import STATE_STYLES, StatusBar
 
 WAIT_NOTE_AFTER_S = 0.5
 

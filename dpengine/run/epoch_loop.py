@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
+from ..eventlog.events import EpochFinished, RunFinished
 from .batches import epoch_order
 from .checkpoint import checkpoint_due, save_run, weights_finite
-from .events import EpochFinished, RunFinished
 from .failures import NonFiniteLoss
 from .run_state import RunState
 

@@ -14,10 +14,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..stdout_pipe import StopOnBrokenPipe, silence_stdout
+from ..usage import EXIT_USAGE, Parser, UsageError, check_log_path, number
+from ..usage import parse_devices as parse_device_names
 from .script_run import GRACE_S, ScriptRun, ScriptTarget
-from .stdout_pipe import StopOnBrokenPipe, silence_stdout
-from .usage import EXIT_USAGE, Parser, UsageError, check_log_path, number
-from .usage import parse_devices as parse_device_names
 
 USAGE = "dptui run [OPTIONS] (SCRIPT.py | -m MODULE) [ARGS...]"
 _TAKES_VALUE = {"--devices", "--log", "--telemetry-interval", "--grace"}
@@ -114,12 +114,12 @@ def main(argv: Sequence[str]) -> int:
     )
     log = open(args.log, "w", encoding="utf-8") if args.log else None
     try:
-        from .script_events import JsonLines
+        from .events import JsonLines
 
         if log is not None:
             run.subscribe(JsonLines(log))
         if not args.headless:
-            from .script_app import run_script_app
+            from .app import run_script_app
 
             return run_script_app(run)
         return _run_headless(run, json_out=args.json)
@@ -130,7 +130,7 @@ def main(argv: Sequence[str]) -> int:
 
 
 def _run_headless(run: ScriptRun, json_out: bool) -> int:
-    from .script_events import JsonLines
+    from .events import JsonLines
 
     guard = StopOnBrokenPipe(JsonLines(sys.stdout), run)
     if json_out:

@@ -1,6 +1,6 @@
 """A recorded run, replayed from its log for the UI as a live run's events.
 
-`RecordedRun` is a `Run` (see run_protocol.py) with no controls: `run()` publishes the log's events
+`RecordedRun` is a `Run` (see protocol.py) with no controls: `run()` publishes the log's events
 on the calling thread and, with follow, goes on publishing while the file grows, until
 stop() or, with stop_at_end, the run's last event (a UI that restarts a run goes on
 writing the same log). Steering raises ControlUnsupported: the run already happened.
@@ -12,9 +12,9 @@ import os
 import threading
 from collections.abc import Sequence
 
-from .eventlog import EventLogReader
-from .events import ConfigChanged, Publisher, RunConfig, RunFailed, RunFinished, RunStarted
-from .run_protocol import BALANCE, BATCH_SIZE, DEVICES, PAUSE, ControlUnsupported
+from ..eventlog.events import ConfigChanged, Publisher, RunConfig, RunFailed, RunFinished, RunStarted
+from ..eventlog.reader import EventLogReader
+from .protocol import BALANCE, BATCH_SIZE, DEVICES, PAUSE, ControlUnsupported
 
 FOLLOW_POLL_S = 0.2  # how often a followed file is checked for new lines
 

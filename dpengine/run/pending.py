@@ -12,7 +12,7 @@ import threading
 from collections.abc import Hashable
 from dataclasses import dataclass
 
-from .balance import Balance
+from ..balance import Balance
 
 _KINDS = ("batch_size", "devices", "balance")
 

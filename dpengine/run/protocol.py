@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
-from .events import RunConfig, RunFailed, RunFinished, Subscriber
+from ..eventlog.events import RunConfig, RunFailed, RunFinished, Subscriber
 
 # The controls a run may offer; `Run.controls` holds those it does.
 PAUSE = "pause"  # pause() and resume()

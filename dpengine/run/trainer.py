@@ -15,13 +15,10 @@ from collections.abc import Sequence
 
 import torch
 
-from .balance import Balance, balance_name, check_balance, normalized, split_options
-from .batches import batch_of, move_optimizer_state, to_device
-from .checkpoint import Checkpoint, restore_run
-from .data_parallel import DataParallel
-from .devices import DeviceLike, available_devices, device_name, resolve_devices
-from .epoch_loop import Boundary, EpochLoop
-from .events import (
+from ..balance import Balance, balance_name, check_balance, normalized, split_options
+from ..data_parallel import DataParallel
+from ..devices import DeviceLike, available_devices, device_name, resolve_devices
+from ..eventlog.events import (
     ConfigChanged,
     EpochFinished,
     RunConfig,
@@ -32,10 +29,13 @@ from .events import (
     StateChanged,
     TelemetrySampled,
 )
+from ..telemetry import TelemetryPoller, TelemetrySource, open_telemetry
+from .batches import batch_of, move_optimizer_state, to_device
+from .checkpoint import Checkpoint, restore_run
+from .epoch_loop import Boundary, EpochLoop
 from .failures import check_loss, run_failed
 from .run_state import RunState
-from .steering import TrainerBase, check_batch_size
-from .telemetry import TelemetryPoller, TelemetrySource, open_telemetry
+from .trainer_base import TrainerBase, check_batch_size
 from .workloads import Workload
 
 
@@ -59,7 +59,7 @@ class Trainer(TrainerBase, EpochLoop):
         balance: Balance = "even",
         checkpoint_every: int | None = None,
     ) -> None:
-        """`resume`: a checkpoint file, or one already read (`dpengine.checkpoint.read_checkpoint`).
+        """`resume`: a checkpoint file, or one already read (`dpengine.run.checkpoint.read_checkpoint`).
 
         `balance`: how batches are cut, "even" (torch's rule), "auto" or one weight per device.
         """

@@ -12,9 +12,9 @@ from collections.abc import Callable
 from textual.binding import Binding
 from textual.screen import ModalScreen
 
-from dpengine.recorded_run import RecordedRun
+from dpengine.run.recorded_run import RecordedRun
 
-from .app import PLAIN_KEY_ACTIONS, DptuiApp
+from ..app import PLAIN_KEY_ACTIONS, DptuiApp
 from .replay import ReplayView
 
 STEP_ACTIONS = {"step", "first", "last"}

@@ -6,8 +6,8 @@ import math
 import time
 from dataclasses import dataclass
 
-from .events import EpochFinished, RunFinished, StepFinished
-from .records import StepRecord
+from ..eventlog.events import EpochFinished, RunFinished, StepFinished
+from ..records import StepRecord
 
 
 @dataclass(frozen=True)
