@@ -227,7 +227,7 @@ def split_options(balance: Balance) -> dict:
     """DataParallel/set_split keyword arguments for a `parse_balance` value."""
     if isinstance(balance, str):
         return {"balance": balance}
-    return {"balance": "weighted", "weights": list(balance)}
+    return {"balance": "weights", "weights": list(balance)}
 
 
 def balance_name(balance: Balance) -> str:

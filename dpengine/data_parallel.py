@@ -15,7 +15,9 @@ from torch import nn
 from torch._utils import ExceptionWrapper
 
 from .balance import Balancer, BalancedSplit, describe_split
-from .devices import DeviceLike, default_devices, device_name, parse_device, resolve_devices
+from .devices import (
+    DeviceLike, default_devices, device_name, parse_device, parse_output_device, resolve_devices,
+)
 from .instrument import BackwardCountdown, ReplicaProbe, SavedBytesCache, shapes_of, tensors_of
 from .parallel_apply import ThreadState, WorkerPool, reraise, run_in_state
 from .records import StepRecord
@@ -34,9 +36,10 @@ _set = object.__setattr__
 class DataParallel(nn.Module):
     """Drop-in for torch.nn.DataParallel that also runs on virtual CPU devices (`cpu:N`).
 
-    Beyond torch: `chunk_sizes` (an explicit split), `balance="weighted"` with one weight
+    Beyond torch: `chunk_sizes` (an explicit split), `balance="weights"` with one weight
     per device, or `balance="auto"` (dpengine.balance: the split follows the measured times);
-    `last_step` and `subscribe()` for what each replica did.
+    `set_split()` and `set_devices()` between forwards; `last_step` and `subscribe()` for what
+    each replica did.
     """
 
     def __init__(
@@ -63,7 +66,7 @@ class DataParallel(nn.Module):
             self._split = None
         else:
             self.output_device = (
-                self.devices[0] if output_device is None else _parse_output_device(output_device)
+                self.devices[0] if output_device is None else parse_output_device(output_device)
             )
             self.src_device_obj = self.devices[0]
             self._split = _make_split(len(self.devices), chunk_sizes, balance, weights)
@@ -79,7 +82,8 @@ class DataParallel(nn.Module):
         self._saved_bytes = SavedBytesCache()
         self._plan: ReplicationPlan | None = None
         self._forward_state: _ForwardState | None = None  # the forward in progress, for the four step methods
-        self._balancer = _make_balancer(len(self.devices), balance)
+        self._split_kind = _balance_kind(balance)  # even, weights or auto: what set_devices keeps
+        self._balancer = _make_balancer(len(self.devices), self._split_kind)
 
     # -- configuration ---------------------------------------------------------
 
@@ -89,7 +93,31 @@ class DataParallel(nn.Module):
     ) -> None:
         """Change how batches are cut, from the next forward on; "auto" starts a fresh balancer."""
         self._split = _make_split(len(self.devices), chunk_sizes, balance, weights)
-        self._balancer = _make_balancer(len(self.devices), balance)
+        self._split_kind = _balance_kind(balance)
+        self._balancer = _make_balancer(len(self.devices), self._split_kind)
+
+    def set_devices(self, device_ids: Sequence[DeviceLike]) -> None:
+        """Run on `device_ids` from the next forward on; the module is not moved.
+
+        The module must already be on the first of them, as at construction (on CPU it always
+        is). The split keeps its kind: even stays even, auto starts afresh on the new devices
+        (a fresh balancer, an even split first), and chunk sizes or weights stay if they have
+        one entry per new device, else the split is even. Gathered outputs that went to the
+        first device go to the new first device.
+        """
+        devices = resolve_devices(device_ids)  # a ValueError for an empty or bad list
+        self.close()  # the workers were for the old devices
+        if self.output_device == self.src_device_obj:
+            self.output_device = devices[0]
+        self.devices = devices
+        self.device_ids = [d.index if d.type == "cuda" else d for d in devices]
+        self.src_device_obj = devices[0]
+        kept = self._split is not None and self._split.device_count == len(devices) and self._split_kind != "auto"
+        if not kept:
+            self._split = Split(len(devices))
+        if not kept and self._split_kind == "weights":
+            self._split_kind = "even"
+        self._balancer = _make_balancer(len(devices), self._split_kind)
 
     @property
     def balancing(self) -> bool:
@@ -220,7 +248,7 @@ class DataParallel(nn.Module):
 
     def gather(self, outputs: Sequence[Any], output_device: DeviceLike) -> Any:
         """Concatenate the replicas' outputs on output_device, keeping their structure."""
-        return gather(outputs, _parse_output_device(output_device), self.dim)
+        return gather(outputs, parse_output_device(output_device), self.dim)
 
     def _slots_of(self, args: Sequence[Any], kwargs_list: Sequence[Any]) -> list[int]:
         """Device slots of inputs a scatter override made: where their tensors are (CUDA), else in order."""
@@ -450,25 +478,24 @@ def _notify_backward_done(owner_ref: weakref.ref, pending_ref: weakref.ref) -> N
         owner._on_backward_done(pending)
 
 
-def _parse_output_device(spec: DeviceLike) -> torch.device:
-    if isinstance(spec, torch.device):
-        return spec
-    if isinstance(spec, int) and spec == -1:
-        return torch.device("cpu")
-    if isinstance(spec, str) and spec == "cpu":
-        return torch.device("cpu")
-    return parse_device(spec)
+# "weighted" is what the weights were called before they were "weights" everywhere: still accepted.
+_BALANCE_KINDS = {"even": "even", "weights": "weights", "weighted": "weights", "auto": "auto"}
+
+
+def _balance_kind(balance: str) -> str:
+    if balance not in _BALANCE_KINDS:
+        raise ValueError(f"balance must be 'even', 'weights' or 'auto', not {balance!r}")
+    return _BALANCE_KINDS[balance]
 
 
 def _make_split(count: int, chunk_sizes, balance: str, weights) -> Split:
-    if balance not in ("even", "weighted", "auto"):
-        raise ValueError(f"balance must be 'even', 'weighted' or 'auto', not {balance!r}")
-    if balance == "auto" and (weights is not None or chunk_sizes is not None):
+    kind = _balance_kind(balance)
+    if kind == "auto" and (weights is not None or chunk_sizes is not None):
         raise ValueError("balance='auto' chooses the chunk sizes itself: give no weights or chunk_sizes")
-    if balance == "weighted" and weights is None:
-        raise ValueError("balance='weighted' needs weights: one number per device")
-    if balance == "even" and weights is not None:
-        raise ValueError("weights are used only with balance='weighted'")
+    if kind == "weights" and weights is None:
+        raise ValueError("balance='weights' needs weights: one number per device")
+    if kind == "even" and weights is not None:
+        raise ValueError("weights are used only with balance='weights'")
     return Split(count, chunk_sizes=chunk_sizes, weights=weights)
 
 

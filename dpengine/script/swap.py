@@ -14,7 +14,6 @@ import torch
 import torch.nn.parallel.data_parallel
 
 from ..data_parallel import DataParallel as EngineDataParallel
-from ..data_parallel import _make_split
 from ..devices import device_name, resolve_devices
 from .link import ParentLink
 
@@ -60,15 +59,7 @@ class DataParallel(EngineDataParallel):
         # GPUs: the module lives on the first device, so only the others may change.
         if devices[0].type != self.devices[0].type or (devices[0].type == "cuda" and devices[0] != self.devices[0]):
             return
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
-        if self.output_device == self.devices[0]:
-            self.output_device = devices[0]
-        self.devices = devices
-        self.device_ids = [d.index if d.type == "cuda" else d for d in devices]
-        self.src_device_obj = devices[0]
-        self._split = _make_split(len(devices), None, "even", None)
+        self.set_devices(devices)
         link.post({"type": "config", "instance": self._dptui_key,
                    "devices": list(target), "step": self._step + 1})
 
