@@ -204,7 +204,7 @@ class ScriptedTrainer:
 
 
 def factory_of(*trainers: ScriptedTrainer) -> Callable[[], ScriptedTrainer]:
-    """A trainer_factory that hands out the given trainers in turn (for restarts)."""
+    """A run factory that hands out the given trainers in turn (for restarts)."""
     supply = iter(trainers)
     return lambda: next(supply)
 

@@ -30,9 +30,7 @@ from .usage import (
 )
 
 if TYPE_CHECKING:
-    from dpengine.run.protocol import Run
-
-RunFactory = Callable[[], "Run"]
+    from dpengine.run.protocol import Run, RunFactory
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 130, 143
 

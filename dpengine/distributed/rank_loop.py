@@ -168,14 +168,14 @@ class RankLoop(EpochLoop):
         model = self.workload.model
         model.to(self.device if self.device.type == "cuda" else "cpu")
         self._optimizer = self.workload.make_optimizer(cfg.lr)
-        self._run = RunState(cfg.started)
+        self._run_state = RunState(cfg.started)
         if cfg.state is not None:
-            self._batch_size = restore_restart(Path(cfg.state), self._run, model, self._optimizer)
+            self._batch_size = restore_restart(Path(cfg.state), self._run_state, model, self._optimizer)
             move_optimizer_state(self._optimizer, self.device)
         elif cfg.resume is not None:
             # The saved optimizer state brings its own lr; an explicit --lr wins (as Trainer).
             lr = cfg.lr if cfg.explicit_lr else None
-            restore_run(as_checkpoint(cfg.resume), self._run, model, self._optimizer, lr)
+            restore_run(as_checkpoint(cfg.resume), self._run_state, model, self._optimizer, lr)
             move_optimizer_state(self._optimizer, self.device)
         # A rank's own randomness (dropout): reproducible, and not the same stream on every rank.
         torch.manual_seed((cfg.seed * 1_000_003 + 7919 * (self.rank + 1) + cfg.generation) % 2**63)
@@ -207,7 +207,7 @@ class RankLoop(EpochLoop):
 
     def _train(self) -> None:
         if self._balance != "even" or self.cfg.balance != "even":
-            self._announce_split(self._run.step + 1)
+            self._announce_split(self._run_state.step + 1)
         result = self.train_epochs()
         if result is not None:
             self._send(Finished(result, self._acked))  # rank 0's only: others have no host
@@ -244,7 +244,7 @@ class RankLoop(EpochLoop):
             self._batch_size = decision.batch
         if decision.balance is not None:
             self._set_balance(decision.balance)
-            self._announce_split(self._run.step + 1)
+            self._announce_split(self._run_state.step + 1)
         self._sample_now = decision.telemetry
         return Boundary.STEP
 
@@ -277,12 +277,12 @@ class RankLoop(EpochLoop):
         if taken.devices is not None and taken.devices != self.devices:
             if taken.balance is not None:
                 # The next generation starts with it (the host keeps what this says).
-                step = self._run.step + 1
+                step = self._run_state.step + 1
                 self._event(SplitChanged(step, balance_name(taken.balance), _weights_of(taken.balance)))
             return Decision("restart", batch=batch, devices=taken.devices)
         if taken.batch_size is None and taken.devices is None:
             return Decision("step", telemetry=self._sample_due(), balance=taken.balance)
-        self._event(ConfigChanged(batch, self.devices, self._run.step + 1))
+        self._event(ConfigChanged(batch, self.devices, self._run_state.step + 1))
         return Decision("step", telemetry=self._sample_due(), batch=batch, balance=taken.balance)
 
     def _drain(self, timeout: float, until: Callable[[], bool] | None = None) -> None:
@@ -328,7 +328,7 @@ class RankLoop(EpochLoop):
     # -- one step ------------------------------------------------------------------------
 
     def _step(self, indices: torch.Tensor) -> None:
-        run, dataset = self._run, self.workload.dataset
+        run, dataset = self._run_state, self.workload.dataset
         started = time.perf_counter()
         rows = len(indices)
         sizes = self._sizes(rows)
@@ -460,7 +460,7 @@ class RankLoop(EpochLoop):
         if self.rank != 0:
             return
         self.phase = "save"
-        run = self._run
+        run = self._run_state
         counters = run.counters()
         if run.position == 0:
             # The epoch was begun but no step ran: the next generation begins it again.

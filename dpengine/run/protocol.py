@@ -70,3 +70,6 @@ class Run(Protocol):
 
     def config(self) -> RunConfig:
         """The run's resolved configuration (as RunStarted carries it)."""
+
+
+RunFactory = Callable[[], Run]  # builds a fresh run (the UI's `r` builds another): a trainer, a script, a log

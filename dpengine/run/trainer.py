@@ -122,7 +122,7 @@ class Trainer(TrainerBase, EpochLoop):
         """Train until the epochs are done or stop() is called; never raises for training errors."""
         poller = None
         started = time.perf_counter()
-        self._run = RunState(started)
+        self._run_state = RunState(started)
         try:
             self._publish(RunStarted(self.config()))
             poller = self._start_telemetry()
@@ -155,11 +155,11 @@ class Trainer(TrainerBase, EpochLoop):
         self._optimizer = self.workload.make_optimizer(self.lr)
         if self.resume_from is not None:
             # The saved optimizer state brings its own lr; an explicit --lr wins.
-            restore_run(self.resume_from, self._run, model, self._optimizer, self.lr if self._explicit_lr else None)
+            restore_run(self.resume_from, self._run_state, model, self._optimizer, self.lr if self._explicit_lr else None)
             move_optimizer_state(self._optimizer, self._devices[0])
         self._dp = DataParallel(model, self._devices, **split_options(self._balance))
         if self._balance != "even":
-            self._publish_split(self._run.step + 1)
+            self._publish_split(self._run_state.step + 1)
         return self.train_epochs()
 
     def _boundary(self) -> Boundary:
@@ -181,14 +181,14 @@ class Trainer(TrainerBase, EpochLoop):
             self._balance = taken.balance
             if not switch:
                 self._dp.set_split(**split_options(taken.balance))
-                self._publish_split(self._run.step + 1)
+                self._publish_split(self._run_state.step + 1)
         if taken.batch_size is None and taken.devices is None:
             return Boundary.STEP
         if taken.batch_size is not None:
             self._batch_size = taken.batch_size
         if switch:
             self._switch_devices(list(taken.devices), announce=taken.balance is not None)
-        self._publish(ConfigChanged(self._batch_size, self.devices, self._run.step + 1))
+        self._publish(ConfigChanged(self._batch_size, self.devices, self._run_state.step + 1))
         return Boundary.STEP
 
     def _epoch_finished(self, event: EpochFinished) -> None:
@@ -205,11 +205,11 @@ class Trainer(TrainerBase, EpochLoop):
             self._balance = "even"  # the weights were for the old devices
         # A fresh auto-balancer starts from an even split again: say so too.
         if announce or not fits or self._balance == "auto":
-            self._publish_split(self._run.step + 1)
+            self._publish_split(self._run_state.step + 1)
         self._dp = DataParallel(self.workload.model, devices, **split_options(self._balance))
 
     def _step(self, indices: torch.Tensor) -> None:
-        run, dataset, optimizer = self._run, self.workload.dataset, self._optimizer
+        run, dataset, optimizer = self._run_state, self.workload.dataset, self._optimizer
         step_started = time.perf_counter()
         inputs, targets = batch_of(dataset, indices)
         if self._devices[0].type == "cuda":
