@@ -25,6 +25,7 @@ from torch.utils.data import TensorDataset
 from ui_fakes import FixedTelemetry, ScriptedTrainer, demo_events, factory_of, gpu_sample, step_event
 
 from dpengine.eventlog.events import ConfigChanged, RunFailed, StateChanged, StepFinished
+from dpengine.run.options import RunOptions
 from dpengine.run.trainer import Trainer
 from dpengine.run.workloads import Workload, builtin_workload
 from tui.app import DptuiApp
@@ -204,8 +205,9 @@ def real_factory(*, epochs: int | None = None, workload: Callable[[], Workload] 
 
     def make() -> Trainer:
         trainer = Trainer(
-            workload() if workload else builtin_workload("seed", seed=0), DEVICES, available=DEVICES, batch_size=30,
-            epochs=epochs, seed=0, telemetry=FixedTelemetry(DEVICES), telemetry_interval=0.2,
+            workload() if workload else builtin_workload("seed", seed=0), DEVICES,
+            RunOptions(batch_size=30, epochs=epochs, seed=0, telemetry_interval=0.2),
+            available=DEVICES, telemetry=FixedTelemetry(DEVICES),
         )
         trainer.subscribe(pace(0.01))
         built.append(trainer)

@@ -22,6 +22,7 @@ import torch
 
 from dpengine.distributed import DdpTrainer, WorkloadSpec
 from dpengine.distributed.channel import is_comm_error
+from dpengine.distributed.ddp_trainer import LIVENESS_S
 from dpengine.distributed.torchrun import torchrun_env
 from dpengine.eventlog.events import (
     ConfigChanged,
@@ -31,6 +32,7 @@ from dpengine.eventlog.events import (
     StepFinished,
 )
 from dpengine.eventlog.writer import JsonLinesWriter
+from dpengine.run.options import RunOptions
 from dpengine.run.trainer import Trainer
 from dpengine.run.workloads import load_workload
 
@@ -45,16 +47,19 @@ def _children() -> set[int]:
     return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
-def _ddp(model: str = "seed", devices=("cpu:0", "cpu:1"), **kwargs) -> DdpTrainer:
-    kwargs.setdefault("seed", SEED)
-    kwargs.setdefault("telemetry_interval", None)
-    return DdpTrainer(WorkloadSpec(model, seed=kwargs["seed"]), list(devices), **kwargs)
+def _ddp(model: str = "seed", devices=("cpu:0", "cpu:1"), *, available=None, step_timeout: float | None = None,
+         liveness_timeout: float = LIVENESS_S, **options) -> DdpTrainer:
+    """A DdpTrainer with RunOptions(**options), seeded with SEED and without telemetry unless told."""
+    options.setdefault("seed", SEED)
+    options.setdefault("telemetry_interval", None)
+    return DdpTrainer(WorkloadSpec(model, seed=options["seed"]), list(devices), RunOptions(**options),
+                      available=available, step_timeout=step_timeout, liveness_timeout=liveness_timeout)
 
 
 def _threaded(devices, epochs: int, setup=None, **kwargs) -> tuple[RunFinished | RunFailed, list]:
     """The threaded backend on the same workload and seed; `setup(trainer)` may subscribe steering."""
-    trainer = Trainer(load_workload("seed", seed=SEED), list(devices), seed=SEED, epochs=epochs,
-                      telemetry_interval=None, **kwargs)
+    options = RunOptions(seed=SEED, epochs=epochs, telemetry_interval=None, **kwargs)
+    trainer = Trainer(load_workload("seed", seed=SEED), list(devices), options)
     events: list = []
     trainer.subscribe(events.append)
     if setup is not None:
@@ -333,8 +338,9 @@ def test_under_torchrun_rank_0_runs_the_host_and_others_follow(tmp_path):
     assert len(finished) == 2  # rank 0 ran twice; the other rank followed both runs
     steps = [line for line in lines if line["type"] == "step"]
     assert all([r["device"] for r in s["replicas"]] == ["cpu:0", "cpu:1"] for s in steps)
-    expected = Trainer(load_workload("seed", seed=5), ["cpu:0", "cpu:1"], seed=5, epochs=1,
-                       telemetry_interval=None).run()  # the fixture script's seed
+    # the fixture script's seed
+    expected = Trainer(load_workload("seed", seed=5), ["cpu:0", "cpu:1"],
+                       RunOptions(seed=5, epochs=1, telemetry_interval=None)).run()
     assert finished[0]["final_loss"] == pytest.approx(expected.final_loss, abs=TOLERANCE)
     assert finished[1]["final_loss"] == pytest.approx(expected.final_loss, abs=TOLERANCE)
 
@@ -347,8 +353,8 @@ def test_the_readmes_torchrun_command_runs_dptui_on_rank_0():
     done = subprocess.run(torchrun, capture_output=True, text=True, timeout=90,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert done.returncode == 0, done.stderr[-3000:]
-    expected = Trainer(load_workload("seed", seed=5), ["cpu:0", "cpu:1"], seed=5, epochs=1,
-                       telemetry_interval=None).run()
+    expected = Trainer(load_workload("seed", seed=5), ["cpu:0", "cpu:1"],
+                       RunOptions(seed=5, epochs=1, telemetry_interval=None)).run()
     assert f"final loss {expected.final_loss:.6f}" in done.stdout.splitlines()[-1]
 
 

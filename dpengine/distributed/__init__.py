@@ -1,7 +1,8 @@
 """The DDP backend: torch DistributedDataParallel, one process per device, behind dptui's UI.
 
     from dpengine.distributed import DdpTrainer, WorkloadSpec
-    trainer = DdpTrainer(WorkloadSpec("seed", seed=1), ["cpu:0", "cpu:1", "cpu:2"], seed=1)
+    from dpengine.run.options import RunOptions
+    trainer = DdpTrainer(WorkloadSpec("seed", seed=1), ["cpu:0", "cpu:1", "cpu:2"], RunOptions(seed=1))
     trainer.subscribe(print)
     trainer.run()
 

@@ -18,7 +18,6 @@ RunFailed naming the rank and its device. An error that only says a peer went aw
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 import threading
@@ -44,11 +43,11 @@ from ..eventlog.events import (
     StepFinished,
     TelemetrySampled,
 )
-from ..run.checkpoint import Checkpoint
 from ..run.failures import run_failed
 from ..run.pending import Change
 from ..run.protocol import ALL_CONTROLS, DEVICES, ControlUnsupported
-from ..run.trainer_base import TrainerBase, check_batch_size
+from ..run.options import RunOptions, check_batch_size
+from ..run.trainer_base import TrainerBase
 from ..telemetry import TelemetryPoller, TelemetrySource
 from .config import RankConfig, WorkloadSpec
 from .launcher import SpawnedGroup, TorchrunGroup, describe_exit, threads_per_rank
@@ -72,24 +71,10 @@ class DdpTrainer(TrainerBase):
     """
 
     def __init__(
-        self,
-        workload: WorkloadSpec,
-        devices: Sequence[DeviceLike] = ("cpu:0", "cpu:1"),
-        *,
-        batch_size: int | None = None,
-        epochs: int | None = 1,
-        lr: float | None = None,
-        seed: int | None = None,
-        telemetry: TelemetrySource | None = None,
-        telemetry_interval: float | None = 1.0,
-        available: Sequence[DeviceLike] | None = None,
-        checkpoint: str | os.PathLike | None = None,
-        resume: str | os.PathLike | Checkpoint | None = None,
-        checkpoint_every: int | None = None,
-        step_timeout: float | None = None,
-        startup_timeout: float = 120.0,
-        balance: Balance = "even",
-        liveness_timeout: float = LIVENESS_S,
+        self, workload: WorkloadSpec, devices: Sequence[DeviceLike] = ("cpu:0", "cpu:1"),
+        options: RunOptions = RunOptions(), *, telemetry: TelemetrySource | None = None,
+        available: Sequence[DeviceLike] | None = None, step_timeout: float | None = None,
+        startup_timeout: float = 120.0, liveness_timeout: float = LIVENESS_S,
     ) -> None:
         if not isinstance(workload, WorkloadSpec):
             raise TypeError(
@@ -98,40 +83,34 @@ class DdpTrainer(TrainerBase):
             )
         self.spec = workload
         built = workload.build()  # here for its name, size and defaults; ranks build their own
-        self._workload_name = built.name
-        self._samples = len(built.dataset)
+        self._workload_name, self._samples = built.name, len(built.dataset)
         # Each rank process reads `resume` again itself: a state dict does not travel.
-        super().__init__(
-            built, batch_size=batch_size, epochs=epochs, lr=lr, seed=seed, telemetry=telemetry,
-            telemetry_interval=telemetry_interval, checkpoint=checkpoint, resume=resume, lock=threading.Lock(),
-            checkpoint_every=checkpoint_every,
-        )
-        del built
+        super().__init__(built, options, telemetry=telemetry, lock=threading.Lock())
         self.timeout = float(step_timeout) if step_timeout is not None else None
         self.startup_timeout = float(startup_timeout)
         self.liveness_timeout = float(liveness_timeout)
-
         self._torchrun = torchrun_env()
-        if self._torchrun is not None:
-            if self._torchrun.rank != 0:
-                raise RuntimeError(
-                    "under torchrun DdpTrainer runs on rank 0 only; the other ranks run "
-                    "`python -m tui.torchrun` (or call dpengine.distributed.worker.follow)"
-                )
-            kind = "cuda" if torch.cuda.is_available() else "cpu"
-            self._devices = tuple(f"{kind}:{r}" for r in range(self._torchrun.world_size))
-            self._available = self._devices
-        else:
-            resolved = resolve_devices(devices)
-            self._devices = tuple(device_name(d) for d in resolved)
-            chosen = resolve_devices(available) if available else available_devices(resolved)
-            self._available = tuple(device_name(d) for d in chosen)
+        self._devices, self._available = self._rank_devices(devices, available)
         self.backend = "nccl" if self._devices[0].startswith("cuda") else "gloo"
-        self._balance = check_balance(balance, len(self._devices))
-
+        self._balance = check_balance(options.balance, len(self._devices))
         self._rank0: Connection | None = None
         self._group: SpawnedGroup | TorchrunGroup | None = None
         self._store: dist.TCPStore | None = None
+
+    def _rank_devices(self, devices: Sequence[DeviceLike], available: Sequence[DeviceLike] | None):
+        """(one device name per rank, what set_devices may choose from); under torchrun, torchrun's ranks."""
+        if self._torchrun is None:
+            resolved = resolve_devices(devices)
+            chosen = resolve_devices(available) if available else available_devices(resolved)
+            return tuple(device_name(d) for d in resolved), tuple(device_name(d) for d in chosen)
+        if self._torchrun.rank != 0:
+            raise RuntimeError(
+                "under torchrun DdpTrainer runs on rank 0 only; the other ranks run "
+                "`python -m tui.torchrun` (or call dpengine.distributed.worker.follow)"
+            )
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+        ranks = tuple(f"{kind}:{r}" for r in range(self._torchrun.world_size))
+        return ranks, ranks
 
     # -- steering, from any thread (pause/resume/stop: TrainerBase) -------------------
 
@@ -277,37 +256,8 @@ class DdpTrainer(TrainerBase):
             generation += 1
 
     def _launch(self, started: float, state_dir: Path, generation: int, state: str | None):
-        world = len(self._devices)
-        local_world = self._torchrun.local_world_size if self._torchrun is not None else world
         with self._lock:
-            config = RankConfig(
-                spec=self.spec,
-                devices=self._devices,
-                backend=self.backend,
-                batch_size=self._batch_size,
-                epochs=self.epochs,
-                lr=self.lr,
-                seed=self.seed,
-                telemetry_interval=None if self._telemetry is not None else self._telemetry_interval,
-                timeout_s=self.timeout,
-                startup_timeout_s=self.startup_timeout,
-                threads=threads_per_rank(local_world),
-                started=started,
-                checkpoint=str(self.checkpoint) if self.checkpoint else None,
-                checkpoint_every=self.checkpoint_every,
-                resume=str(self.resume_from.path) if self.resume_from and generation == 0 else None,
-                explicit_lr=self._explicit_lr,
-                state=state,
-                state_dir=str(state_dir),
-                generation=generation,
-                paused=self._paused,
-                stop=self._stop,
-                changes=self._pending.waiting(),
-                store=None if self._torchrun is not None else ("127.0.0.1", self._store.port),
-                store_prefix=f"gen{generation}/",
-                torchrun=self._torchrun is not None,
-                balance=self._balance,
-            )
+            config = self._rank_config(started, state_dir, generation, state)
             if self._torchrun is not None:
                 group = self._torchrun_group(config)
             else:
@@ -315,6 +265,38 @@ class DdpTrainer(TrainerBase):
             self._group = group
             self._rank0 = group.conns[0]
         return group
+
+    def _rank_config(self, started: float, state_dir: Path, generation: int, state: str | None) -> RankConfig:
+        """What every rank of this generation is handed (with the lock held: steering reads it too)."""
+        local_world = self._torchrun.local_world_size if self._torchrun is not None else len(self._devices)
+        return RankConfig(
+            spec=self.spec,
+            devices=self._devices,
+            backend=self.backend,
+            batch_size=self._batch_size,
+            epochs=self.epochs,
+            lr=self.lr,
+            seed=self.seed,
+            telemetry_interval=None if self._telemetry is not None else self._telemetry_interval,
+            timeout_s=self.timeout,
+            startup_timeout_s=self.startup_timeout,
+            threads=threads_per_rank(local_world),
+            started=started,
+            checkpoint=str(self.checkpoint) if self.checkpoint else None,
+            checkpoint_every=self.checkpoint_every,
+            resume=str(self.resume_from.path) if self.resume_from and generation == 0 else None,
+            explicit_lr=self._explicit_lr,
+            state=state,
+            state_dir=str(state_dir),
+            generation=generation,
+            paused=self._paused,
+            stop=self._stop,
+            changes=self._pending.waiting(),
+            store=None if self._torchrun is not None else ("127.0.0.1", self._store.port),
+            store_prefix=f"gen{generation}/",
+            torchrun=self._torchrun is not None,
+            balance=self._balance,
+        )
 
     def _torchrun_group(self, config: RankConfig) -> TorchrunGroup:
         from .channel import StoreBoard

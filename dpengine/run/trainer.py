@@ -8,7 +8,6 @@ optimizer state carry over, and the epoch goes on at the new batch size.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Sequence
@@ -31,11 +30,12 @@ from ..eventlog.events import (
 )
 from ..telemetry import TelemetryPoller, TelemetrySource, open_telemetry
 from .batches import batch_of, move_optimizer_state, to_device
-from .checkpoint import Checkpoint, restore_run
+from .checkpoint import restore_run
 from .epoch_loop import Boundary, EpochLoop
 from .failures import check_loss, run_failed
 from .run_state import RunState
-from .trainer_base import TrainerBase, check_batch_size
+from .options import RunOptions, check_batch_size
+from .trainer_base import TrainerBase
 from .workloads import Workload
 
 
@@ -43,36 +43,20 @@ class Trainer(TrainerBase, EpochLoop):
     """A `dpengine.Run` on the threaded DataParallel; pause takes effect in `_boundary()`."""
 
     def __init__(
-        self,
-        workload: Workload,
-        devices: Sequence[DeviceLike],
-        *,
-        batch_size: int | None = None,
-        epochs: int | None = 1,
-        lr: float | None = None,
-        seed: int | None = None,
-        telemetry: TelemetrySource | None = None,
-        telemetry_interval: float | None = 1.0,
-        available: Sequence[DeviceLike] | None = None,
-        checkpoint: str | os.PathLike | None = None,
-        resume: str | os.PathLike | Checkpoint | None = None,
-        balance: Balance = "even",
-        checkpoint_every: int | None = None,
+        self, workload: Workload, devices: Sequence[DeviceLike], options: RunOptions = RunOptions(), *,
+        telemetry: TelemetrySource | None = None, available: Sequence[DeviceLike] | None = None,
     ) -> None:
-        """`resume`: a checkpoint file, or one already read (`dpengine.run.checkpoint.read_checkpoint`).
+        """`options.resume`: a checkpoint file, or one already read (`dpengine.run.checkpoint.read_checkpoint`).
 
-        `balance`: how batches are cut, "even" (torch's rule), "auto" or one weight per device.
+        `telemetry`: a source to poll instead of the devices' own; `available`: what set_devices()
+        may choose from (by default the devices of the same kind there are).
         """
         self.workload = workload
         self._devices = resolve_devices(devices)
         self._available = resolve_devices(available) if available else available_devices(self._devices)
-        super().__init__(
-            workload, batch_size=batch_size, epochs=epochs, lr=lr, seed=seed, telemetry=telemetry,
-            telemetry_interval=telemetry_interval, checkpoint=checkpoint, resume=resume,
-            lock=threading.Condition(), checkpoint_every=checkpoint_every,
-        )
+        super().__init__(workload, options, telemetry=telemetry, lock=threading.Condition())
         self._dp: DataParallel | None = None
-        self._balance = check_balance(balance, len(self._devices))
+        self._balance = check_balance(options.balance, len(self._devices))
         self._split_weights: tuple[float, ...] = ()  # the weights of the last step, to see changes
 
     # -- steering, from any thread (pause/resume/stop: TrainerBase) -------------
@@ -155,7 +139,8 @@ class Trainer(TrainerBase, EpochLoop):
         self._optimizer = self.workload.make_optimizer(self.lr)
         if self.resume_from is not None:
             # The saved optimizer state brings its own lr; an explicit --lr wins.
-            restore_run(self.resume_from, self._run_state, model, self._optimizer, self.lr if self._explicit_lr else None)
+            lr = self.lr if self._explicit_lr else None
+            restore_run(self.resume_from, self._run_state, model, self._optimizer, lr)
             move_optimizer_state(self._optimizer, self._devices[0])
         self._dp = DataParallel(model, self._devices, **split_options(self._balance))
         if self._balance != "even":
