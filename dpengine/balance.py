@@ -234,6 +234,11 @@ def balance_name(balance: Balance) -> str:
     return balance if isinstance(balance, str) else "weights"
 
 
+def balance_weights(balance: Balance) -> tuple[float, ...]:
+    """The shares of the batch a `parse_balance` value asks for; () for "even" and "auto"."""
+    return () if isinstance(balance, str) else normalized(balance)
+
+
 def normalized(weights: Sequence[float]) -> tuple[float, ...]:
     total = sum(weights)
     return tuple(w / total for w in weights)

@@ -22,7 +22,7 @@ import torch
 
 from dpengine.distributed import DdpTrainer, WorkloadSpec
 from dpengine.distributed.channel import is_comm_error
-from dpengine.distributed.ddp_trainer import LIVENESS_S
+from dpengine.distributed.host_inbox import LIVENESS_S
 from dpengine.distributed.torchrun import torchrun_env
 from dpengine.eventlog.events import (
     ConfigChanged,

@@ -12,10 +12,12 @@ backend's. On one machine `run()` starts the rank processes itself (gloo on CPU,
 CUDA); across machines run `python -m tui.torchrun` under torchrun (see that module for the
 command); its other ranks call `worker.follow()`.
 
-Modules: `ddp_trainer` (DdpTrainer, the host: handles every rank's message), `rank_loop`
-(one rank's loop), `messages` (what host and ranks say), `channel` (the sockets and store
-they say it over), `launcher` (starting and ending ranks), `worker` (the rank process's
-entry), `torchrun` (what torchrun tells a process), `config` (what every rank is handed).
+Modules: `ddp_trainer` (DdpTrainer, the host), `host_inbox` (where the host handles every
+rank's message), `rank_loop` (one rank's loop), `rank0_steering` (where rank 0 applies the
+host's steering: pause and changes take effect there), `messages` (what host and ranks say),
+`channel` (the sockets and store they say it over), `launcher` (starting and ending ranks),
+`worker` (the rank process's entry), `torchrun` (what torchrun tells a process), `config`
+(what every rank is handed).
 """
 
 from .config import RankConfig, WorkloadSpec

@@ -4,16 +4,13 @@
 (`SpawnedGroup` on one machine; under torchrun rank 0's loop runs in a thread of this
 process), publishes what rank 0 sends (steps with one `ReplicaRecord` per rank, epochs,
 telemetry, state and config changes), and forwards steering to rank 0, which applies it at
-the next step boundary in every rank. A device change ends the ranks at a boundary, after
-rank 0 saved the model, the optimizer and the run's counters; the next generation of ranks,
-one per new device, loads them and goes on in the same epoch at the same position.
+the next step boundary in every rank (rank0_steering.py). A device change ends the ranks at a
+boundary, after rank 0 saved the model, the optimizer and the run's counters; the next
+generation of ranks, one per new device, loads them and goes on in the same epoch at the same
+position.
 
-A rank that raises reports its error and exits; a rank that dies closes its channel; a frozen
-one stops sending its heartbeat (`messages.Alive`, each second from a thread, however long its
-step), and LIVENESS_S without one is a failure. Either way the host ends every other rank at
-once (SIGTERM to each rank's process group, SIGKILL after three seconds) and publishes
-RunFailed naming the rank and its device. An error that only says a peer went away (gloo's
-"Connection closed by peer") never hides the rank that really failed.
+What the ranks send is read in `host_inbox.py`: a rank that raises, dies or freezes fails the
+run there, naming the rank and its device, after every other rank was ended.
 """
 
 from __future__ import annotations
@@ -24,7 +21,7 @@ import threading
 import time
 from collections.abc import Sequence
 from datetime import timedelta
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import torch
@@ -50,13 +47,10 @@ from ..run.options import RunOptions, check_batch_size
 from ..run.trainer_base import TrainerBase
 from ..telemetry import TelemetryPoller, TelemetrySource
 from .config import RankConfig, WorkloadSpec
-from .launcher import SpawnedGroup, TorchrunGroup, describe_exit, threads_per_rank
-from .messages import Alive, ErrorReport, Finished, Forward, Published, Ready, Restart, Steer
+from .host_inbox import LIVENESS_S, RankInbox
+from .launcher import SpawnedGroup, TorchrunGroup, threads_per_rank
+from .messages import Finished, Forward, Published, Ready, Restart, Steer
 from .torchrun import torchrun_env, torchrun_session
-
-_POLL_S = 0.1
-FAILURE_GRACE_S = 2.0  # after a "peer went away" error, how long to wait for the real culprit
-LIVENESS_S = 30.0  # a spawned rank silent this long (no heartbeat, see channel.py) is frozen
 
 
 class DdpTrainer(TrainerBase):
@@ -238,7 +232,9 @@ class DdpTrainer(TrainerBase):
         generation = 0
         while True:
             group = self._launch(started, state_dir, generation, state)
-            outcome = self._pump(group)
+            inbox = RankInbox(group, self._on_rank_message, startup_timeout=self.startup_timeout,
+                              liveness_timeout=self.liveness_timeout)
+            outcome = inbox.pump()
             if isinstance(outcome, Finished):
                 group.wait_all(10.0)  # they are on their way out; _end_group reaps the rest
                 return outcome.result
@@ -319,74 +315,8 @@ class DdpTrainer(TrainerBase):
         if group is not None:
             group.terminate()
 
-    def _pump(self, group) -> Finished | Restart | RunFailed:
-        """Publish what the ranks send until the generation finishes, restarts or fails."""
-        open_conns = dict(group.conns)
-        rank_of = {id(conn): rank for rank, conn in open_conns.items()}
-        reports: dict[int, ErrorReport] = {}
-        deaths: dict[int, str] = {}
-        first_failure: float | None = None
-        heard = False
-        # When each rank was last heard from; every rank counts from rank 0's Ready (all of them
-        # have joined by then), or from its own first message if earlier. Before: the start-up deadline.
-        last_heard: dict[int, float] = {}
-        # Later than the ranks' own start-up timeout, so that they can say who is missing first.
-        deadline = time.monotonic() + self.startup_timeout + 10.0
-        while True:
-            ready = wait(list(open_conns.values()), _POLL_S) if open_conns else []
-            polled = time.monotonic()  # whatever a rank sent before now is read in this round
-            if not open_conns:
-                time.sleep(_POLL_S)
-            outcome = None
-            for conn in ready:
-                rank = rank_of[id(conn)]
-                try:
-                    message = conn.recv()
-                except (EOFError, OSError):
-                    del open_conns[rank]
-                    if rank not in reports:
-                        code = group.exit_code(rank, wait=2.0)
-                        if code != 0:
-                            deaths[rank] = describe_exit(code)
-                            first_failure = first_failure or time.monotonic()
-                    continue
-                last_heard[rank] = time.monotonic()
-                if isinstance(message, Alive):
-                    continue
-                if isinstance(message, ErrorReport):
-                    reports.setdefault(rank, message)
-                    first_failure = first_failure or time.monotonic()
-                    continue
-                if isinstance(message, Ready):
-                    for other in open_conns:
-                        last_heard.setdefault(other, time.monotonic())
-                outcome = self._on_rank_message(message) or outcome
-                heard = True
-            if not group.torchrun:  # torchrun watches its own ranks
-                for rank in open_conns.keys() & last_heard.keys():
-                    # Up to the poll, not now: a slow subscriber above may have kept beats unread.
-                    silent_s = polled - last_heard[rank]
-                    if silent_s > self.liveness_timeout and rank not in deaths:
-                        deaths[rank] = f"stopped responding: no heartbeat for {silent_s:.0f} s (frozen?)"
-                        first_failure = first_failure or time.monotonic()
-            for rank, report in group.errors().items():
-                if rank not in reports:
-                    reports[rank] = report
-                    first_failure = first_failure or time.monotonic()
-            if first_failure is not None:
-                real = any(not r.comm for r in reports.values()) or deaths
-                if real or time.monotonic() - first_failure > FAILURE_GRACE_S:
-                    return self._failed(group, reports, deaths)
-            elif outcome is not None:
-                return outcome
-            elif not heard and time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"the ranks did not start within {self.startup_timeout:g} s (rank 0 never got "
-                    f"its process group and workload ready)"
-                )
-
     def _on_rank_message(self, message: Ready | Forward | Finished | Restart) -> Finished | Restart | None:
-        """Where a message from rank 0 is handled; the generation's outcome when it is one."""
+        """Rank 0's news, from the inbox (host_inbox.py): acknowledge, publish; the generation's outcome when it is one."""
         self._pending.applied(message.acked)
         if isinstance(message, Forward):
             self._on_rank_event(message.event)
@@ -408,42 +338,3 @@ class DdpTrainer(TrainerBase):
             with self._lock:
                 # After whatever the subscribers asked for: rank 0 applies that before step N+1.
                 self._send_rank0(Published(event.step))
-
-    def _failed(self, group, reports: dict[int, ErrorReport], deaths: dict[int, str]) -> RunFailed:
-        group.terminate()  # first stop the others, then say why
-        devices = group.config.devices
-        real = sorted((r for r in reports.values() if not r.comm), key=lambda r: r.time)
-        silent = [r for r in range(len(devices)) if r not in reports and r not in deaths]
-        if not real and not deaths and silent:
-            # Only "peer went away / timed out" errors: the rank that said nothing kept them waiting.
-            rank = silent[0]
-            first = min(reports.values(), key=lambda r: r.time)
-            return RunFailed(
-                error=f"rank {rank} on {devices[rank]} stopped responding: rank {first.rank} gave up "
-                f"waiting for it ({first.error_type}: {first.message})",
-                error_type="RankTimeout",
-                replica=rank,
-                device=devices[rank],
-                traceback=first.traceback,
-            )
-        if real or not deaths:
-            report = real[0] if real else min(reports.values(), key=lambda r: r.time)
-            rank = report.rank
-            cause = f"{report.error_type}: {report.message}" if report.message else report.error_type
-            return RunFailed(
-                error=f"rank {rank} on {devices[rank]} failed: {cause}",
-                error_type=report.error_type,
-                replica=rank,
-                device=devices[rank],
-                traceback=report.traceback,
-            )
-        rank = min(deaths)
-        tail = group.log_tail(rank)
-        return RunFailed(
-            error=f"rank {rank} on {devices[rank]} {deaths[rank]}",
-            error_type="RankExited",
-            replica=rank,
-            device=devices[rank],
-            traceback=f"rank {rank}'s output ended with:\n{tail}" if tail else "",
-        )
-
