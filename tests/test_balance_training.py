@@ -40,6 +40,7 @@ def test_auto_balance_moves_rows_off_the_slow_device_and_says_so():
     assert changes[0] == SplitChanged(1, "auto", ())
     by_balancer = [c for c in changes if c.by_balancer]
     assert by_balancer, changes
+    assert all(c.request is None for c in changes)  # --balance and the balancer: nobody pressed a key
     # cpu:2 is twice as slow per row: it ends with fewer rows than either other device.
     last = steps[-2].record  # the last step is the epoch's (here full) batch too; any full one will do
     assert last.balanced and last.chunk_sizes[2] < min(last.chunk_sizes[:2])
@@ -54,9 +55,11 @@ def test_set_balance_applies_at_the_next_step_and_weights_must_fit():
     with pytest.raises(ValueError, match="one per device"):
         trainer.set_balance((1.0, 2.0))
 
+    asked = []
+
     def on_step(event: StepFinished) -> None:
         if event.step == 1:
-            trainer.set_balance((2.0, 1.0, 1.0))
+            asked.append(trainer.set_balance((2.0, 1.0, 1.0)))
             assert trainer.has_pending_change
 
     events = run(trainer, on_step)
@@ -65,6 +68,7 @@ def test_set_balance_applies_at_the_next_step_and_weights_must_fit():
     assert steps[1].record.chunk_sizes == (15, 8, 7) and steps[1].record.split == "weights"
     (change,) = [e for e in events if isinstance(e, SplitChanged)]
     assert change.step == 2 and change.balance == "weights" and change.weights == pytest.approx((0.5, 0.25, 0.25))
+    assert change.request == asked[0]
     assert trainer.balance == (2.0, 1.0, 1.0)
 
 
@@ -149,15 +153,17 @@ def test_ddp_set_balance_applies_at_the_next_step_on_every_rank():
     with pytest.raises(ValueError, match="one per device"):
         trainer.set_balance((1.0, 2.0))
 
+    asked = []
+
     def on_step(event: StepFinished) -> None:
         if event.step == 1:
-            trainer.set_balance((2.0, 1.0, 1.0))
+            asked.append(trainer.set_balance((2.0, 1.0, 1.0)))
 
     events = run(trainer, on_step)
     steps = [e for e in events if isinstance(e, StepFinished)]
     assert [s.record.chunk_sizes for s in steps[:2]] == [(10, 10, 10), (15, 8, 7)]
     (change,) = [e for e in events if isinstance(e, SplitChanged)]
-    assert (change.step, change.balance) == (2, "weights")
+    assert (change.step, change.balance, change.request) == (2, "weights", asked[0])
     # The host keeps what rank 0 applied: the same weights, as shares of the batch.
     assert trainer.balance == pytest.approx((0.5, 0.25, 0.25)) and not trainer.has_pending_change
 

@@ -196,20 +196,22 @@ def test_a_rank_that_hangs_is_named_once_the_others_time_out():
 # -- steering -------------------------------------------------------------------------------------
 
 
-def _pause_then_grow(trainer, seen: list) -> None:
+def _pause_then_grow(trainer, seen: list, numbers: dict | None = None) -> None:
     """Steer as a user would: pause after step 2, ask for batch 4 on three devices, resume.
 
     With batch 4 on three devices rank/replica 2 gets no chunk (torch.chunk cuts 4 into 2 + 2).
+    `numbers` gets each request's number.
     """
+    numbers = {} if numbers is None else numbers
 
     def steer(event) -> None:
         if isinstance(event, StepFinished) and event.step == 2:
-            trainer.pause()
+            numbers["pause"] = trainer.pause()
         elif isinstance(event, StateChanged) and event.state == "paused":
-            trainer.set_batch_size(4)
-            trainer.set_devices(["cpu:0", "cpu:1", "cpu:2"])
+            numbers["batch"] = trainer.set_batch_size(4)
+            numbers["devices"] = trainer.set_devices(["cpu:0", "cpu:1", "cpu:2"])
             seen.append(trainer.has_pending_change)
-            trainer.resume()
+            numbers["resume"] = trainer.resume()
 
     trainer.subscribe(steer)
 
@@ -218,8 +220,9 @@ def test_batch_and_device_changes_match_the_threaded_backend():
     trainer = _ddp(devices=("cpu:0", "cpu:1"), epochs=2)
     events: list = []
     pending_seen: list = []
+    numbers: dict = {}
     trainer.subscribe(events.append)
-    _pause_then_grow(trainer, pending_seen)
+    _pause_then_grow(trainer, pending_seen, numbers)
     before = _children()
     result = trainer.run()
     assert isinstance(result, RunFinished), result
@@ -228,7 +231,10 @@ def test_batch_and_device_changes_match_the_threaded_backend():
     changes = [(c.batch_size, c.devices, c.step) for c in events if isinstance(c, ConfigChanged)]
     # Asked for while step 2 was published: applied at step 3, as the threaded Trainer does.
     assert changes == [(4, ("cpu:0", "cpu:1", "cpu:2"), 3)]
-    assert [e.state for e in events if isinstance(e, StateChanged)] == ["paused", "running"]
+    # Each event carries the number of the request it answers; the restart's, the newer of two.
+    assert [c.request for c in events if isinstance(c, ConfigChanged)] == [numbers["devices"]]
+    states = [(e.state, e.request) for e in events if isinstance(e, StateChanged)]
+    assert states == [("paused", numbers["pause"]), ("running", numbers["resume"])]
     assert _children() - before == set()
 
     expected, threaded_events = _threaded(("cpu:0", "cpu:1"), epochs=2,

@@ -93,7 +93,7 @@ def test_pause_holds_the_next_forward_until_resume():
     passed = threading.Event()
 
     def forward() -> None:
-        link.wait_if_paused()
+        link.wait_while_paused()
         passed.set()
 
     deadline = time.monotonic() + 10

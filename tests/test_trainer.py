@@ -308,7 +308,7 @@ def test_changes_from_another_thread_while_paused_apply_on_resume() -> None:
 
     def pause_after_step_2(event: Event) -> None:
         if isinstance(event, StepFinished) and event.step == 2:
-            trainer.pause()
+            seen["pause"] = trainer.pause()
             seen["weights"] = clone_state(trainer.workload.model)
 
     trainer.subscribe(rec)
@@ -319,13 +319,14 @@ def test_changes_from_another_thread_while_paused_apply_on_resume() -> None:
     assert trainer.paused
     time.sleep(0.2)
     assert len(rec.steps) == 2  # nothing runs while paused
-    trainer.set_batch_size(45)
-    trainer.set_devices(["cpu:3", "cpu:1"])  # another first device, another order
+    batch = trainer.set_batch_size(45)
+    devices = trainer.set_devices(["cpu:3", "cpu:1"])  # another first device, another order
+    assert seen["pause"] < batch < devices  # numbered in the order asked
     assert trainer.has_pending_change
     assert trainer.batch_size == 30 and trainer.devices == tuple(THREE)  # not before the boundary
     time.sleep(0.1)
     assert len(rec.steps) == 2
-    trainer.resume()
+    resumed = trainer.resume()
     thread.join(WAIT)
     assert not thread.is_alive()
 
@@ -339,10 +340,10 @@ def test_changes_from_another_thread_while_paused_apply_on_resume() -> None:
     assert [list(s.record.chunk_sizes) for s in steps] == (
         [chunk_sizes(30, 3)] * 2 + [chunk_sizes(r, 2) for r in ref.rows[2:]]
     )
-    states = [e.state for e in rec.of(StateChanged)]
-    assert states == ["paused", "running"]
-    (change,) = rec.of(ConfigChanged)
-    assert (change.batch_size, change.devices, change.step) == (45, ("cpu:3", "cpu:1"), 3)
+    states = [(e.state, e.request) for e in rec.of(StateChanged)]
+    assert states == [("paused", seen["pause"]), ("running", resumed)]
+    (change,) = rec.of(ConfigChanged)  # one event answers both requests: it carries the newer
+    assert (change.batch_size, change.devices, change.step, change.request) == (45, ("cpu:3", "cpu:1"), 3, devices)
     assert_states_close(seen["weights"], ref.states[2])
     for step, expected in zip(steps, ref.losses):
         assert step.loss == pytest.approx(expected, rel=1e-5)

@@ -108,12 +108,10 @@ class DdpTrainer(TrainerBase):
 
     # -- steering, from any thread (pause/resume/stop: TrainerBase) -------------------
 
-    def set_batch_size(self, batch_size: int) -> None:
-        batch_size = check_batch_size(batch_size)
-        with self._lock:
-            self._send_rank0(self._pending.ask(batch_size=batch_size))
+    def set_batch_size(self, batch_size: int) -> int:
+        return self._ask(batch_size=check_batch_size(batch_size))
 
-    def set_devices(self, devices: Sequence[DeviceLike]) -> None:
+    def set_devices(self, devices: Sequence[DeviceLike]) -> int:
         if self._torchrun is not None:
             raise ControlUnsupported(
                 DEVICES,
@@ -126,22 +124,25 @@ class DdpTrainer(TrainerBase):
             raise ValueError(
                 f"device {unknown[0]} is not available to this run (available: {', '.join(self._available)})"
             )
-        with self._lock:
-            self._send_rank0(self._pending.ask(devices=resolved))
+        return self._ask(devices=resolved)
 
-    def set_balance(self, balance: Balance) -> None:
+    def set_balance(self, balance: Balance) -> int:
         """"even", "auto" or one weight per rank, from the next step on (every rank alike)."""
-        balance = check_balance(balance, len(self._devices))
+        return self._ask(balance=check_balance(balance, len(self._devices)))
+
+    def _ask(self, **change) -> int:
         with self._lock:
-            self._send_rank0(self._pending.ask(balance=balance))
+            numbered = self._pending.ask(**change)
+            self._send_rank0(numbered)
+            return numbered.seq
 
     @property
     def balance(self) -> Balance:
         """What rank 0 last put in force (weights as shares of the batch)."""
         return self._balance
 
-    def _tell(self, command: str) -> None:
-        self._send_rank0(Steer(command))
+    def _tell(self, command: str, request: int | None) -> None:
+        self._send_rank0(Steer(command, request))
 
     def _send_rank0(self, message: Steer | Change | Published) -> None:
         """Send to rank 0 (with the lock held); with no ranks yet, the next generation gets the state."""
@@ -247,7 +248,7 @@ class DdpTrainer(TrainerBase):
             with self._lock:  # _launch reads them under it
                 self._devices = payload.devices
                 self._batch_size = payload.batch_size
-            self._publish(ConfigChanged(self._batch_size, self._devices, payload.step + 1))
+            self._publish(ConfigChanged(self._batch_size, self._devices, payload.step + 1, payload.request))
             state = payload.state
             generation += 1
 
@@ -286,6 +287,7 @@ class DdpTrainer(TrainerBase):
             state_dir=str(state_dir),
             generation=generation,
             paused=self._paused,
+            state_request=self._state_request,
             stop=self._stop,
             changes=self._pending.waiting(),
             store=None if self._torchrun is not None else ("127.0.0.1", self._store.port),

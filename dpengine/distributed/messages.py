@@ -31,6 +31,7 @@ __all__ = [
 @dataclass(frozen=True)
 class Steer:
     command: str  # "pause", "resume" or "stop"
+    request: int | None = None  # the pause's or resume's number, for the StateChanged that answers it
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class Restart:
     state: str
     step: int  # the last step this generation ran
     acked: int
+    request: int | None = None  # the newest batch size / device request this answers
 
 
 @dataclass(frozen=True)
@@ -97,3 +99,4 @@ class Decision:
     batch: int | None = None  # the global batch size from now on
     devices: tuple[str, ...] | None = None  # with "restart"
     balance: Balance | None = None  # how global batches are cut from now on, when that changes
+    request: int | None = None  # with "restart": the newest batch size / device request it answers

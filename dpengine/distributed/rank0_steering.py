@@ -32,6 +32,7 @@ class Rank0Steering:
     def __init__(self, host: Connection, config: RankConfig) -> None:
         self._host = host
         self._paused = config.paused  # as the host left it for this generation
+        self._state_request = config.state_request  # the number of the last pause or resume
         self._stop = config.stop
         self._pending = PendingChanges()  # numbered by the host
         self.acked = 0  # the newest change number applied
@@ -81,14 +82,14 @@ class Rank0Steering:
         if self._paused and not self._stop:
             if not self._announced_pause:
                 self._announced_pause = True
-                self.event(StateChanged("paused"))
+                self.event(StateChanged("paused", self._state_request))
             self._drain(HEARTBEAT_S)
             if self._paused and not self._stop:
                 return True
         if self._announced_pause:
             self._announced_pause = False
             if not self._stop:
-                self.event(StateChanged("running"))
+                self.event(StateChanged("running", self._state_request))
         return False
 
     def _take_changes(self, next_step: int, batch_size: int, devices: tuple[str, ...],
@@ -98,15 +99,19 @@ class Rank0Steering:
             return Decision("step", telemetry=sample_due())
         self.acked = taken.seq
         batch = taken.batch_size or batch_size
-        if taken.devices is not None and taken.devices != devices:
-            if taken.balance is not None:
-                # The next generation starts with it (the host keeps what this says).
-                self.event(SplitChanged(next_step, balance_name(taken.balance), balance_weights(taken.balance)))
-            return Decision("restart", batch=batch, devices=taken.devices)
-        if taken.batch_size is None and taken.devices is None:
-            return Decision("step", telemetry=sample_due(), balance=taken.balance)
-        self.event(ConfigChanged(batch, devices, next_step))
-        return Decision("step", telemetry=sample_due(), batch=batch, balance=taken.balance)
+        config_request = taken.request("batch_size", "devices")
+        restart = taken.devices is not None and taken.devices != devices
+        resized = not restart and (taken.batch_size is not None or taken.devices is not None)
+        if resized:  # a restart's ConfigChanged is the host's, once the next generation is on its way
+            self.event(ConfigChanged(batch, devices, next_step, config_request))
+        if taken.balance is not None:
+            # On a restart the next generation starts with it (the host keeps what this says).
+            split = taken.balance
+            self.event(SplitChanged(next_step, balance_name(split), balance_weights(split),
+                                    request=taken.request("balance")))
+        if restart:
+            return Decision("restart", batch=batch, devices=taken.devices, request=config_request)
+        return Decision("step", telemetry=sample_due(), batch=batch if resized else None, balance=taken.balance)
 
     # -- host -> rank 0 ------------------------------------------------------------------
 
@@ -131,6 +136,7 @@ class Rank0Steering:
                 self._stop = True
             else:
                 self._paused = message.command == "pause"
+                self._state_request = message.request
         elif isinstance(message, Change):
             self._pending.ask(
                 batch_size=message.batch_size, devices=message.devices, balance=message.balance, seq=message.seq

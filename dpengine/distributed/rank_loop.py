@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..balance import Balance, BalancePlan, Balancer, balance_name, balance_weights, balanced_sizes
 from ..devices import parse_device
-from ..eventlog.events import ConfigChanged, EpochFinished, Event, SplitChanged, StateChanged, TelemetrySampled
+from ..eventlog.events import EpochFinished, Event, SplitChanged, TelemetrySampled
 from ..instrument import ReplicaProbe, tensors_of
 from ..records import StepRecord
 from ..run.batches import batch_of, move_optimizer_state, to_device
@@ -221,8 +221,7 @@ class RankLoop(EpochLoop):
         if decision.batch is not None:
             self._batch_size = decision.batch
         if decision.balance is not None:
-            self._set_balance(decision.balance)
-            self._announce_split(self._run_state.step + 1)
+            self._set_balance(decision.balance)  # rank 0's steering announced it
         self._sample_now = decision.telemetry
         return Boundary.STEP
 
@@ -398,7 +397,7 @@ class RankLoop(EpochLoop):
             counters = dataclasses.replace(counters, epoch=counters.epoch - 1)
         path = Path(self.cfg.state_dir) / f"state-{self.cfg.generation + 1}.pt"
         save_restart(path, counters, self.ddp.module, self._optimizer, decision.batch)
-        self._send(Restart(decision.devices, decision.batch, str(path), run.step, self._acked))
+        self._send(Restart(decision.devices, decision.batch, str(path), run.step, self._acked, decision.request))
 
     # -- telemetry: each rank samples its own process / GPU ------------------------------
 

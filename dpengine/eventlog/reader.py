@@ -118,7 +118,8 @@ def _split(data: dict[str, Any]) -> SplitChanged:
 
 
 _DECODERS = {
-    "run_started": lambda d: RunStarted(_config(d["config"])),
+    # A log from before `format` was written is of format 1.
+    "run_started": lambda d: RunStarted(_config(d["config"]), format=int(d.get("format", 1))),
     "step": _step,
     "epoch": _epoch,
     "telemetry": _telemetry,

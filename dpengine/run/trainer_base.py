@@ -3,6 +3,8 @@
 pause(), resume() and stop() come from any thread: each sets its flag under `lock`, then
 `_tell()`s the run loop, which acts on it at the next step boundary. Batch size, device and
 split changes wait in `PendingChanges` (dpengine/run/pending.py) until a boundary applies them.
+Each request but stop() gets a number, returned to the caller and carried by the event that
+answers it (`request`).
 """
 
 from __future__ import annotations
@@ -51,28 +53,32 @@ class TrainerBase(Publisher):
         self.checkpoint_every = options.checkpoint_every
         self._lock = lock
         self._paused = False
+        self._state_request: int | None = None  # the number of the last pause() or resume()
         self._stop = False
         self._pending = PendingChanges()
 
     # -- steering, from any thread -------------------------------------------------------
 
-    def pause(self) -> None:
-        with self._lock:
-            self._paused = True
-            self._tell("pause")
+    def pause(self) -> int:
+        return self._set_paused(True, "pause")
 
-    def resume(self) -> None:
+    def resume(self) -> int:
+        return self._set_paused(False, "resume")
+
+    def _set_paused(self, paused: bool, command: str) -> int:
         with self._lock:
-            self._paused = False
-            self._tell("resume")
+            self._paused = paused
+            self._state_request = self._pending.number()
+            self._tell(command, self._state_request)
+            return self._state_request
 
     def stop(self) -> None:
         with self._lock:
             self._stop = True
-            self._tell("stop")
+            self._tell("stop", None)
 
-    def _tell(self, command: str) -> None:
-        """Pass "pause", "resume" or "stop" on to the run loop; called with the lock held."""
+    def _tell(self, command: str, request: int | None) -> None:
+        """Pass "pause", "resume" or "stop" (and its request number) on to the run loop; with the lock held."""
         raise NotImplementedError
 
     @property

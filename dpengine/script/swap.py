@@ -45,14 +45,16 @@ class DataParallel(EngineDataParallel):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         link = _link
         if link is not None:
-            link.wait_if_paused()
+            link.wait_while_paused()
             if link.control_version != self._dptui_control:
                 self._follow_devices(link)
         return super().forward(*inputs, **kwargs)
 
     def _follow_devices(self, link: ParentLink) -> None:
         object.__setattr__(self, "_dptui_control", link.control_version)
-        target = link.target_devices
+        if link.device_request is None:
+            return
+        target, request = link.device_request
         if not target or not self.devices or tuple(device_name(d) for d in self.devices) == target:
             return
         devices = resolve_devices(list(target))
@@ -61,7 +63,7 @@ class DataParallel(EngineDataParallel):
             return
         self.set_devices(devices)
         link.post({"type": "config", "instance": self._dptui_key,
-                   "devices": list(target), "step": self._step + 1})
+                   "devices": list(target), "step": self._step + 1, "request": request})
 
 
 def _creation_site(dp: DataParallel) -> str:
