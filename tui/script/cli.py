@@ -13,6 +13,7 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import IO
 
 from ..stdout_pipe import StopOnBrokenPipe, silence_stdout
 from ..usage import EXIT_USAGE, Parser, UsageError, check_log_path, number
@@ -114,10 +115,8 @@ def main(argv: Sequence[str]) -> int:
     )
     log = open(args.log, "w", encoding="utf-8") if args.log else None
     try:
-        from .events import JsonLines
-
         if log is not None:
-            run.subscribe(JsonLines(log))
+            run.subscribe(_json_lines(log))
         if not args.headless:
             from .app import run_script_app
 
@@ -129,10 +128,17 @@ def main(argv: Sequence[str]) -> int:
             log.close()
 
 
-def _run_headless(run: ScriptRun, json_out: bool) -> int:
-    from .events import JsonLines
+def _json_lines(stream: IO[str]):
+    """A subscriber writing every event of the run, its own kinds too, as JSON Lines."""
+    from dpengine.eventlog.writer import JsonLinesWriter
 
-    guard = StopOnBrokenPipe(JsonLines(sys.stdout), run)
+    from .events import to_json
+
+    return JsonLinesWriter(stream, to_json)
+
+
+def _run_headless(run: ScriptRun, json_out: bool) -> int:
+    guard = StopOnBrokenPipe(_json_lines(sys.stdout), run)
     if json_out:
         run.subscribe(guard)
     signals = 0
