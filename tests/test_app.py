@@ -378,12 +378,15 @@ async def test_a_failed_run_is_reported_and_r_recovers():
 
 async def test_a_factory_error_keeps_the_app_up():
     def factory():
-        raise ValueError("device cuda:7 is not available")
+        raise ValueError("device cuda:7 is not available\n(this machine has 2 GPUs)")
 
     app = DptuiApp(factory)
     async with app.run_test() as pilot:
         await until(pilot, lambda: notices(app, "error"))
         assert "cuda:7" in notices(app, "error")[0]
+        failed = app._worker.result  # what a trainer publishes for an error: one line, traceback kept
+        assert failed.error == "ValueError: device cuda:7 is not available"
+        assert "raise ValueError" in failed.traceback
         await press(pilot, "space")  # greyed out: nothing to pause, nothing breaks
         await quit_app(pilot)
     assert app.return_code == 1  # no run: q says it failed

@@ -156,12 +156,6 @@ class RunView:
             if handler is not None:
                 handler(self, event)
 
-    def fail(self, error: BaseException) -> RunFailed:
-        """Record an error raised outside the trainer's own reporting (e.g. by the factory)."""
-        event = RunFailed(error=f"{type(error).__name__}: {error}".splitlines()[0], error_type=type(error).__name__)
-        self.feed(event)
-        return event
-
     def _on_started(self, event: RunStarted) -> None:
         config = event.config
         self._config = config
