@@ -23,6 +23,7 @@ from .usage import (
     Parser,
     UsageError,
     check_checkpoint_path,
+    check_json_output,
     check_log_path,
     number,
     parse_devices,
@@ -111,8 +112,7 @@ class Settings:
 
 def check_args(argv: Sequence[str] | None) -> Settings:
     args = build_parser().parse_args(argv)
-    if args.json and not args.headless:
-        raise UsageError("--json needs --headless (the UI draws the run instead)")
+    check_json_output(args)
     devices, note = parse_devices(args.devices)
     if note and args.backend == "ddp":
         from dpengine.distributed import torchrun_env

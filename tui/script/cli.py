@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import IO
 
 from ..stdout_pipe import StopOnBrokenPipe, silence_stdout
-from ..usage import EXIT_USAGE, Parser, UsageError, check_log_path, number
+from ..usage import EXIT_USAGE, Parser, UsageError, check_json_output, check_log_path, number
 from ..usage import parse_devices as parse_device_names
 from .script_run import GRACE_S, ScriptRun, ScriptTarget
 
@@ -64,8 +64,7 @@ def _split(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, ScriptTarget]:
     options, rest = _split(argv)
     args = build_parser().parse_args(options)
-    if args.json and not args.headless:
-        raise UsageError("--json needs --headless (the UI draws the run instead)")
+    check_json_output(args)
     if not rest or rest == ["-m"]:
         raise UsageError(f"name a script or -m MODULE to run: {USAGE}")
     if rest[0] == "-m":
