@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import pty
 import signal
@@ -18,7 +19,11 @@ import psutil
 import pytest
 from textual import events
 
-from tui.script.app import ScriptApp
+from ui_fakes import step_event
+
+from dpengine.eventlog.events import RunConfig, RunStarted
+from tui.script.app import ScriptApp, ScriptRunView
+from tui.script.events import ScriptOutput
 from tui.script.script_run import BATCH_OWNED, ScriptRun, ScriptTarget
 from tui.widgets.device_panel import DevicePanel
 
@@ -63,6 +68,28 @@ def gone(pid: int) -> bool:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
+
+
+def test_the_view_says_which_dataparallel_the_panels_follow_and_restarts_its_rate_chart():
+    view = ScriptRunView("train.py", lambda: 0.0)
+    view.feed(RunStarted(dp_config("DataParallel(G)", AVAILABLE[:2])))
+    for step in range(1, 4):
+        view.feed(step_event(step, 1, step, 10, 30, AVAILABLE[:2]))
+    view.feed(ScriptOutput("stdout", "epoch 1 done"))
+    assert len(view.snapshot().throughput_history) == 3
+    view.feed(RunStarted(dp_config("DataParallel(D)", AVAILABLE[2:])))
+    snap = view.snapshot()
+    assert (snap.workload, snap.throughput_history, snap.samples_per_s) == ("DataParallel(D)", (), None)
+    assert [p.device for p in snap.panels if p.active] == list(AVAILABLE[2:])
+    lines = [(line.text, line.kind) for line in view.take_log() if line.kind != "model" or "epoch" in line.text]
+    assert lines == [("panels follow DataParallel(G) on cpu:0, cpu:1", "event"), ("epoch 1 done", "model"),
+                     ("panels follow DataParallel(D) on cpu:2, cpu:3", "event")]
+
+
+def dp_config(instance: str, devices: tuple[str, ...]) -> RunConfig:
+    """What ScriptRun publishes when the panels start following a DataParallel."""
+    return RunConfig(workload=instance, backend="dptui run", devices=devices, available_devices=AVAILABLE,
+                     batch_size=30, epochs=None, lr=math.nan, seed=None, samples=0, device_names=("virtual",) * 4)
 
 
 async def test_run_mode_shows_replicas_and_output_and_steers_the_script():
