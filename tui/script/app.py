@@ -15,7 +15,6 @@ from dpengine.eventlog.events import Event, RunFailed, RunFinished, RunStarted
 
 from .. import format as fmt
 from ..app import DptuiApp
-from ..session import Session
 from ..state import Notice, RunView, Snapshot
 from ..widgets.status_bar import STATE_STYLES, StatusBar
 from .events import DataParallelSeen, ScriptEvent, ScriptExited, ScriptOutput
@@ -125,15 +124,13 @@ class ScriptApp(DptuiApp):
     ]
 
     def __init__(self, run: ScriptRun, **kwargs) -> None:
+        self.run_ = run  # before the base's __init__, which makes the first view
         super().__init__(lambda: run, **kwargs)
-        self.run_ = run
         self.title = f"dptui run {run.target.label}"
         self.status = ScriptStatusBar(run.target.label, id="status")
 
-    def _start_run(self) -> None:
-        self.session = Session(ScriptRunView(self.run_.target.label, self._clock))
-        self._shown_version = -1
-        self._worker = self._train(self.session)
+    def _new_view(self) -> ScriptRunView:
+        return ScriptRunView(self.run_.target.label, self._clock)
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action == "restart":
