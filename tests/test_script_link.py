@@ -9,6 +9,7 @@ import time
 
 import torch
 from torch import nn
+from waiting import wait_for
 
 from dpengine.script.link import MAX_QUEUED_STEPS, ParentLink
 from dpengine.script.wire import step_from_json
@@ -76,10 +77,8 @@ def test_a_stuck_reader_never_stalls_the_script_steps_are_coalesced(make_dp):
     received: list[dict] = []
     reader = threading.Thread(target=lambda: read_all(events_r, received), daemon=True)
     reader.start()  # dptui catches up
-    deadline = time.monotonic() + 20
-    while sum(1 if e["type"] == "step" else e.get("steps", 0) for e in list(received)) < posts:
-        assert time.monotonic() < deadline, "steps lost, neither sent nor counted as coalesced"
-        time.sleep(0.02)
+    wait_for(lambda: sum(1 if e["type"] == "step" else e.get("steps", 0) for e in list(received)) >= posts,
+             "every step, sent or counted as coalesced")
     assert any(e["type"] == "coalesced" for e in received)
     os.close(control_w)
 
@@ -96,15 +95,10 @@ def test_pause_holds_the_next_forward_until_resume():
         link.wait_while_paused()
         passed.set()
 
-    deadline = time.monotonic() + 10
-    while link._running.is_set():
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_for(lambda: not link._running.is_set(), "the pause to reach the link")
     thread = threading.Thread(target=forward)
     thread.start()
-    while not any(e.get("state") == "paused" for e in read_lines()):
-        assert time.monotonic() < deadline, "never said paused"
-        time.sleep(0.01)
+    wait_for(lambda: any(e.get("state") == "paused" for e in read_lines()), "the link to say paused")
     assert not passed.is_set()
     os.write(control_w, b'{"op": "resume"}\n')
     thread.join(10)

@@ -3,17 +3,15 @@ through a recording with left, right, home and end."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import io
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from textual import events as keys
+from pilot import log_text, press, status, until
 from ui_fakes import demo_events, step_event
 
 from dpengine.eventlog.events import RunFinished, SplitChanged, StepFinished
@@ -215,29 +213,8 @@ def test_new_events_follow_at_the_last_step_and_wait_elsewhere():
 # -- the UI ---------------------------------------------------------------------------------
 
 
-async def until(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
-
-
-async def press(app, *names: str) -> None:
-    for name in names:
-        app.post_message(keys.Key(name, None))
-    await asyncio.sleep(0.01)
-
-
-def status(app) -> str:
-    return str(app.status.content)
-
-
 def chunks(app) -> list[int | None]:
     return [p.view.chunk for p in app.query(DevicePanel) if p.view]
-
-
-def log_text(app) -> str:
-    return "\n".join(strip.text for strip in app.log_view.lines)
 
 
 def run_events(batches: list[int]) -> list:

@@ -15,7 +15,6 @@ import threading
 
 from dpengine.eventlog.events import (
     ConfigChanged,
-    RunFailed,
     RunStarted,
     SplitChanged,
     StateChanged,
@@ -50,12 +49,6 @@ class ReplayView:
             self._events.append(event)
             if self._cursor is None:
                 self._feed_to(len(self._events))
-
-    def fail(self, error: BaseException) -> RunFailed:
-        """A log that could not be read to its end: its error goes on the screen like a run's."""
-        event = RunFailed(error=f"{type(error).__name__}: {error}".splitlines()[0], error_type=type(error).__name__)
-        self.feed(event)
-        return event
 
     def _feed_to(self, end: int) -> None:
         for event in self._events[self._fed:end]:
