@@ -194,15 +194,15 @@ def test_device_changes_and_pauses_answer_their_requests_and_auto_balance_follow
         return [e for e in list(seen) if isinstance(e, StepFinished) and e.record.devices == devices]
 
     def answer(kind: type, request: int):
-        wait_until(lambda: any(isinstance(e, kind) and e.request == request for e in list(seen)),
-                   what=f"the {kind.__name__} answering request {request}")
+        wait_for(lambda: any(isinstance(e, kind) and e.request == request for e in list(seen)),
+                 f"the {kind.__name__} answering request {request}")
         return next(e for e in seen if isinstance(e, kind) and e.request == request)
 
     try:
-        wait_until(lambda: len(steps_on(("cpu:0", "cpu:1", "cpu:2"))) >= 8, what="auto-balanced steps on three")
+        wait_for(lambda: len(steps_on(("cpu:0", "cpu:1", "cpu:2"))) >= 8, "auto-balanced steps on three")
         request = run.set_devices(["cpu:0", "cpu:1"])
         assert answer(ConfigChanged, request).devices == ("cpu:0", "cpu:1")
-        wait_until(lambda: len(steps_on(("cpu:0", "cpu:1"))) >= 8, what="steps on two after the change")
+        wait_for(lambda: len(steps_on(("cpu:0", "cpu:1"))) >= 8, "steps on two after the change")
         assert run.exit_code is None  # still training
         paused = run.pause()
         assert paused > request and answer(StateChanged, paused).state == "paused"
