@@ -6,6 +6,7 @@ also reports to dptui, pauses at a forward on request and moves to other devices
 
 from __future__ import annotations
 
+import copyreg
 import os
 import sys
 from typing import Any
@@ -25,6 +26,10 @@ _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 class DataParallel(EngineDataParallel):
     """torch.nn.DataParallel under `dptui run`: `device_ids=None` means dptui's --devices."""
 
+    # Named as the class it stands in for: a pickle names torch's class, which is this one
+    # under `dptui run` and torch's own without dptui (see __reduce_ex__).
+    __module__ = "torch.nn.parallel.data_parallel"
+
     def __init__(self, module: torch.nn.Module, device_ids=None, output_device=None, dim: int = 0, **kwargs: Any):
         link = _link
         if device_ids is None and link is not None:
@@ -41,6 +46,26 @@ class DataParallel(EngineDataParallel):
         link.announce(key, [device_name(d) for d in self.devices])
         self.subscribe(lambda record, key=key: link.post_step(key, record))
         link.watch_threads(key, self.worker_thread_ids)
+
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        """Pickle (pickle.dumps, torch.save) as torch's DataParallel, so the file loads without dptui.
+
+        A copy (copy.deepcopy) stays this class: DataParallel.__deepcopy__ does not come here.
+        """
+        cls = type(self)
+        if cls is DataParallel:
+            # torch's name for the class: this one once the swap holds it, else torch's own.
+            cls = sys.modules["torch.nn.parallel.data_parallel"].DataParallel
+        state = self.torch_state()
+        for name in [k for k in state if k.startswith("_dptui")]:
+            del state[name]
+        # Not copyreg.__newobj__: pickle refuses it for a class other than type(self).
+        return copyreg._reconstructor, (cls, object, None), state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        if "_dptui_control" not in self.__dict__:  # unpickled from torch's form
+            object.__setattr__(self, "_dptui_control", 0)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         link = _link
