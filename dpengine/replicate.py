@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 from torch.nn.modules.module import (
     register_module_buffer_registration_hook,
     register_module_module_registration_hook,
@@ -169,8 +170,11 @@ class ReplicationPlan:
         self.modules = list(module.modules())
         position = {id(m): i for i, m in enumerate(self.modules)}
         self.params = list(module.parameters())
+        # A lazy module not yet run: replicating it raises torch's own error (see replicate_shared).
+        self.uninitialized = next((m for m in self.modules if any(
+            is_lazy(t) for t in itertools.chain(m._parameters.values(), m._buffers.values()))), None)
         # Whether any gradient is big enough for where it is made and summed to matter (see _bind).
-        self.has_big = any(p.numel() >= MIN_SUMMED_ELEMENTS for p in self.params)
+        self.has_big = any(not is_lazy(p) and p.numel() >= MIN_SUMMED_ELEMENTS for p in self.params)
         index = {id(p): i for i, p in enumerate(self.params)}
         # per module: (attribute, index into params, None for a None entry)
         self.assignments = [
@@ -236,6 +240,8 @@ def replicate_shared(
     """
     if plan is None or not plan.current():
         plan = ReplicationPlan(module)
+    if plan.uninitialized is not None:
+        plan.uninitialized._replicate_for_data_parallel()  # "Modules with uninitialized parameters..."
     params = plan.params
     differentiable = not detach and torch.is_grad_enabled()
     trainable = [i for i, p in enumerate(params) if p.requires_grad] if differentiable else []
