@@ -466,7 +466,7 @@ class DataParallel(nn.Module):
             return record
         if plan.changed:
             self._split = BalancedSplit(plan.weights, balancer.min_rows)
-        return dataclasses.replace(record, even_ms=plan.even_ms)
+        return dataclasses.replace(record, even_ms=plan.even_ms, even_ms_unsure=plan.even_unsure)
 
     def extra_repr(self) -> str:
         return f"devices={[device_name(d) for d in self.devices]}, dim={self.dim}"

@@ -38,6 +38,19 @@ def test_split_changes_show_in_the_view_the_panels_and_the_status_bar():
     assert any("split auto" in line.text for line in view.take_log())
 
 
+def test_an_unsure_even_split_prediction_shows_a_question_mark():
+    view = RunView(lambda: 0.0)
+    view.feed(demo_events(DEVICES, epochs=0)[0])
+    step = step_event(6, 1, 6, 10, 60, DEVICES)
+    sure = dataclasses.replace(step.record, even_ms=16.0, balanced=True, split="auto")
+    view.feed(dataclasses.replace(step, record=sure))
+    assert "(even ~16.0)" in status_text(view.snapshot(), 200).plain
+    unsure = dataclasses.replace(sure, even_ms_unsure=True)
+    view.feed(dataclasses.replace(step, record=unsure))
+    snap = view.snapshot()
+    assert snap.even_ms_unsure and "(even ~16.0?)" in status_text(snap, 200).plain
+
+
 def test_panel_without_balancer_shows_the_share_and_no_marker():
     view = DeviceView(0, "cpu:0", "virtual", True, chunk=15, step_batch=30)
     assert body_lines(view, 40)[0].plain.startswith("chunk 15/30 50% ━")

@@ -102,6 +102,7 @@ class Snapshot:
     balance: str = "even"  # even, auto or weights: how batches are cut now
     replica_ms: float | None = None  # the last step's slowest replica, forward + backward
     even_ms: float | None = None  # the same as predicted for an even split (auto-balance only)
+    even_ms_unsure: bool = False  # that prediction is a guess: the per-row model fits badly
 
 
 @dataclass(slots=True)
@@ -376,6 +377,7 @@ class RunView:
                 balance=self._balance,
                 replica_ms=_slowest_replica_ms(step),
                 even_ms=step.record.even_ms if step else None,
+                even_ms_unsure=step is not None and step.record.even_ms_unsure,
             )
 
     def _shown_state(self) -> str:

@@ -329,6 +329,7 @@ class RankLoop(EpochLoop):
             backward_ms=max(p["backward_ms"] for p in gathered),  # with the gradient all-reduce
             split=split[0], split_weights=split[1], balanced=split[2],
             even_ms=plan.even_ms if plan is not None else None,
+            even_ms_unsure=plan is not None and plan.even_unsure,
         )
         if plan is not None and plan.changed:
             self._event(SplitChanged(run.step + 1, "auto", plan.weights, by_balancer=True))
