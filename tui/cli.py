@@ -112,10 +112,18 @@ def check_args(argv: Sequence[str] | None) -> Settings:
     args = build_parser().parse_args(argv)
     check_json_output(args)
     devices, note = parse_devices(args.devices)
-    if note and args.backend == "ddp":
+    if args.backend == "ddp":
         from dpengine.distributed import torchrun_env
+        from dpengine.distributed.torchrun import rank_device_kind
 
-        note = "" if torchrun_env() else "no CUDA device found: using 2 CPU rank processes (gloo)"
+        env = torchrun_env()
+        if env is not None:
+            try:
+                rank_device_kind(env, devices)
+            except ValueError as error:
+                raise UsageError(str(error)) from None
+        if note:
+            note = "" if env else "no CUDA device found: using 2 CPU rank processes (gloo)"
     args.balance = _parse_balance(args.balance, len(devices))
     if args.resume and not Path(args.resume).is_file():
         raise UsageError(f"--resume {args.resume}: no such checkpoint file")
