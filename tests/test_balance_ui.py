@@ -70,6 +70,19 @@ def test_session_toggles_auto_balance_and_shows_it_pending():
     assert view.snapshot().pending == ""
 
 
+def test_new_weights_typed_while_weights_are_in_force_show_as_pending():
+    view = RunView(lambda: 0.0)
+    view.feed(demo_events(DEVICES, epochs=0)[0])
+    trainer = ScriptedTrainer([])
+    session = Session(view)
+    session.attach(trainer)
+    view.feed(SplitChanged(1, "weights", (0.5, 0.25, 0.25)))  # weights already in force
+    assert view.snapshot().pending == ""
+    assert session.set_weights((1.0, 2.0, 1.0)) is None
+    assert trainer.calls == [("set_balance", (1.0, 2.0, 1.0))]
+    assert view.snapshot().pending == "split weights"
+
+
 async def test_a_toggles_and_w_types_weights():
     trainer = ScriptedTrainer(demo_events(DEVICES, epochs=1))
     app = DptuiApp(factory_of(trainer))
