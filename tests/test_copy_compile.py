@@ -198,6 +198,21 @@ def test_a_compiled_submodule_is_replicated_with_its_own_inner_module(make_dp):
     assert list(m[0]._orig_mod._parameters) == ["weight", "bias"]
 
 
+def test_a_dataparallel_never_imports_dynamo_unless_something_compiles():
+    """Importing torch._dynamo costs seconds: the compile guard must not pull it in."""
+    script = (
+        "import sys, copy, torch\n"
+        "from dpengine import DataParallel\n"
+        "dp = DataParallel(torch.nn.Linear(4, 2), ['cpu:0', 'cpu:1'])\n"
+        "dp(torch.randn(6, 4)).sum().backward()\n"
+        "copy.deepcopy(dp)(torch.randn(6, 4))\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
+
+
 # -- under `dptui run`: real child processes -------------------------------------------
 
 
