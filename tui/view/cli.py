@@ -9,9 +9,13 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 from ..usage import EXIT_USAGE, Parser, UsageError
+
+if TYPE_CHECKING:
+    from dpengine.eventlog.summary import RunSummary
+    from dpengine.run.recorded_run import RecordedRun
 
 EXIT_OK, EXIT_INTERRUPTED = 0, 130
 
@@ -40,26 +44,23 @@ def check_log(path: str, follow: bool) -> None:
         raise UsageError(f"{path}: no such file")
     if not file.is_file():
         raise UsageError(f"{path}: not a file")
+    if not follow and file.stat().st_size == 0:
+        raise UsageError(f"{path}: empty, not a dptui log (--follow waits for a run to write it)")
     try:
-        check_event_log(file)
+        check_event_log(file, follow=follow)
     except OSError as error:
         raise UsageError(f"{path}: {error.strerror or error}") from None
     except EventLogError as error:
         raise UsageError(f"{path}: {error}") from None
-    if not follow and file.stat().st_size == 0:
-        raise UsageError(f"{path}: empty, not a dptui log (--follow waits for a run to write it)")
 
 
-def summary_lines(events: Sequence[object]) -> list[str]:
+def summary_lines(summary: RunSummary, skipped: int = 0) -> list[str]:
     """The run in one line, then a table with one row per device."""
-    from dpengine.eventlog.events import RunFailed, RunFinished, RunStarted, StepFinished
-    from dpengine.eventlog.summary import summarize
+    from dpengine.eventlog.events import RunFailed, RunFinished
 
     from .. import format as fmt
 
-    started = next((e for e in events if isinstance(e, RunStarted)), None)
-    end = next((e for e in reversed(events) if isinstance(e, (RunFinished, RunFailed))), None)
-    steps = sum(isinstance(e, StepFinished) for e in events)
+    started, end, steps = summary.started, summary.end, summary.steps
     head = f"{started.config.workload} · {started.config.backend}" if started else "a run without its start"
     if isinstance(end, RunFinished):
         outcome = f"{'stopped' if end.stopped else 'finished'}, final loss {fmt.loss(end.final_loss)}"
@@ -67,8 +68,10 @@ def summary_lines(events: Sequence[object]) -> list[str]:
         outcome = f"failed: {end.error}"
     else:
         outcome = "not finished"
+    if skipped:
+        outcome += f", {skipped} line{'' if skipped == 1 else 's'} skipped"
     rows = [("device", "chunks", "rows", "forward ms", "backward ms", "peak memory")]
-    for s in summarize(events):
+    for s in summary.devices():
         rows.append((s.device, str(s.chunks), str(s.rows), fmt.ms(s.forward_ms), fmt.ms(s.backward_ms),
                      fmt.size(s.peak_memory_bytes)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
@@ -79,16 +82,25 @@ def summary_lines(events: Sequence[object]) -> list[str]:
     return [f"{head}: {steps} step{'' if steps == 1 else 's'}, {outcome}", *table]
 
 
-def print_summary(recording, out: IO[str]) -> int:
-    events: list[object] = []
-    recording.subscribe(events.append)
+def print_summary(recording: RecordedRun, out: IO[str]) -> int:
+    """Stream the log into per-device sums (a log of any length in the same memory), then print them."""
+    from dpengine.eventlog.reader import LogNote
+    from dpengine.eventlog.summary import RunSummary
+
+    summary = RunSummary()
+    recording.subscribe(summary.feed)
+    recording.subscribe(lambda e: _say(e.text) if isinstance(e, LogNote) else None)
     code = EXIT_OK
     try:
         recording.run()
     except KeyboardInterrupt:  # while following: the summary of what was read
         code = EXIT_INTERRUPTED
-    out.write("\n".join(summary_lines(events)) + "\n")
+    out.write("\n".join(summary_lines(summary, recording.skipped)) + "\n")
     return code
+
+
+def _say(text: str) -> None:
+    print(f"dptui view: {text}", file=sys.stderr)
 
 
 def main(argv: Sequence[str]) -> int:
@@ -98,13 +110,12 @@ def main(argv: Sequence[str]) -> int:
     try:
         args = build_parser().parse_args(argv)
         check_log(args.log, args.follow)
-        # The UI follows until quit: the log may go on with a restarted run.
-        recording = RecordedRun(args.log, follow=args.follow, stop_at_end=args.headless)
         if args.headless:
-            return print_summary(recording, sys.stdout)
+            # The UI follows until quit: the log may go on with a restarted run.
+            return print_summary(RecordedRun(args.log, follow=args.follow, stop_at_end=True), sys.stdout)
         from .app import run_viewer
 
-        return run_viewer(recording)
+        return run_viewer(args.log, args.follow)
     except (UsageError, EventLogError) as error:
         # An EventLogError here is damage past the first line, found while reading.
         where = "" if isinstance(error, UsageError) else f"{args.log}: "
