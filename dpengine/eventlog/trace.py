@@ -230,6 +230,22 @@ class TraceWriter:
                     self.error = error
 
 
+class TraceFile(TraceWriter):
+    """`--trace FILE` of a live run: the trace of every run it is subscribed to, in FILE."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = os.fspath(path)
+        self._file = open(path, "w", encoding="utf-8")
+        super().__init__(self._file)
+
+    def close(self) -> None:
+        super().close()
+        try:
+            self._file.close()
+        except OSError as error:
+            self.error = self.error or error
+
+
 def _objects(path: str | os.PathLike) -> Iterator[dict[str, Any]]:
     """A log's lines as JSON objects, one at a time; lines that are not one are skipped."""
     with open(path, "rb") as file:

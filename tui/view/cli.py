@@ -11,13 +11,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
-from ..usage import EXIT_USAGE, Parser, UsageError
+from ..usage import EXIT_USAGE, Parser, UsageError, check_log_path
 
 if TYPE_CHECKING:
     from dpengine.eventlog.summary import RunSummary
     from dpengine.run.recorded_run import RecordedRun
 
-EXIT_OK, EXIT_INTERRUPTED = 0, 130
+EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,13 +25,17 @@ def build_parser() -> argparse.ArgumentParser:
         prog="dptui view",
         description="Open a recorded run: a --log file, or what --headless --json printed. "
         "Left and right step through its steps, home and end jump to the first and last.",
-        epilog="Exit status: 0 done, 2 bad usage or not a dptui log, 130 interrupted.",
+        epilog="Exit status: 0 done, 1 the trace could not be written, 2 bad usage or not a dptui log, "
+        "130 interrupted.",
     )
     parser.add_argument("log", metavar="LOG.jsonl", help="the JSON Lines of a run")
     parser.add_argument("--follow", "-f", action="store_true",
                         help="keep reading while the file grows (a run still writing it)")
     parser.add_argument("--headless", action="store_true",
                         help="print a per-device summary: chunks, mean forward and backward ms, peak memory")
+    parser.add_argument("--trace", metavar="OUT.json",
+                        help="write the run as a trace Perfetto (ui.perfetto.dev) and chrome://tracing open: "
+                        "a track per replica or rank, an event per phase per step")
     return parser
 
 
@@ -99,6 +103,21 @@ def print_summary(recording: RecordedRun, out: IO[str]) -> int:
     return code
 
 
+def write_trace(log: str, out: str) -> int:
+    """Convert the log to a trace, streaming; one line on stderr says what was written."""
+    from dpengine.eventlog.trace import APPROXIMATE, export_trace
+
+    with open(out, "w", encoding="utf-8") as file:
+        trace = export_trace(log, file)
+    if trace.error is not None:
+        _say(f"error: --trace {out}: {trace.error.strerror or trace.error}")
+        return EXIT_FAILED
+    runs = f"{trace.runs} run{'' if trace.runs == 1 else 's'}"
+    how = f" ({APPROXIMATE}: the log has no phase start times)" if trace.approximate else ""
+    _say(f"{trace.steps} steps of {runs} written to {out}{how}; open it in Perfetto (ui.perfetto.dev)")
+    return EXIT_OK
+
+
 def _say(text: str) -> None:
     print(f"dptui view: {text}", file=sys.stderr)
 
@@ -110,6 +129,9 @@ def main(argv: Sequence[str]) -> int:
     try:
         args = build_parser().parse_args(argv)
         check_log(args.log, args.follow)
+        if args.trace:
+            check_log_path(args.trace, "--trace")
+            return write_trace(args.log, args.trace)
         if args.headless:
             # The UI follows until quit: the log may go on with a restarted run.
             return print_summary(RecordedRun(args.log, follow=args.follow, stop_at_end=True), sys.stdout)
