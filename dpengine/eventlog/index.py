@@ -91,6 +91,7 @@ class LogIndex:
         self.tail: list[bytes] = []  # the first screen's lines, read before the index reaches them
         self.head: bytes | None = None  # the first run_started line, for a tail that has none
         self.done = False  # indexed up to size_at_open: positions are exact from now on
+        self.shown = threading.Event()  # the tail is on the screen: indexing may take the CPU
         self.changes = 0  # bumps whenever the index grew
 
     # -- the reader thread ------------------------------------------------------------

@@ -67,45 +67,44 @@ class LogNote:
 # -- one field at a time ------------------------------------------------------------------------
 
 _BAD = object()  # a value of the wrong type: the field gets its default
+_MISSING = object()
 
 
 def _int(value: Any) -> Any:
-    if isinstance(value, bool):
-        return _BAD
-    if isinstance(value, int):
+    if type(value) is int:  # not bool, whose type is bool
         return value
-    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+    if type(value) is float and math.isfinite(value) and value.is_integer():
         return int(value)
     return _BAD
 
 
 def _float(value: Any) -> Any:
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-        return float(value)
-    return _BAD  # JSON wrote NaN and inf as null
+    if type(value) is float:
+        return value if value - value == 0.0 else _BAD  # NaN and inf (JSON wrote them as null)
+    return float(value) if type(value) is int else _BAD
 
 
 def _str(value: Any) -> Any:
-    return value if isinstance(value, str) else _BAD
+    return value if type(value) is str else _BAD
 
 
 def _bool(value: Any) -> Any:
-    return value if isinstance(value, bool) else _BAD
+    return value if type(value) is bool else _BAD
 
 
 def _mapping(value: Any) -> Any:
-    return value if isinstance(value, dict) else _BAD
+    return value if type(value) is dict else _BAD
 
 
 def _items(convert: Callable[[Any], Any], strict: bool) -> Callable[[Any], Any]:
     """A JSON list as a tuple; a bad item spoils the whole tuple, or with `strict` the line."""
 
     def items(value: Any) -> Any:
-        if not isinstance(value, list):
+        if type(value) is not list:
             if strict:
                 raise TypeError(f"a list expected, not {type(value).__name__}")
             return _BAD
-        out = tuple(convert(v) for v in value)
+        out = tuple(map(convert, value))
         return _BAD if _BAD in out else out
 
     return items
@@ -153,17 +152,18 @@ def _plan(cls: type) -> Callable[[Any], Any]:
         fields.append((field.name, convert, strict, required, _fallback(field, hints[field.name])))
 
     def decode(data: Any) -> Any:
-        if isinstance(data, cls):
-            return data  # decoded already (a step's record, from its `engine`)
-        if not isinstance(data, dict):
+        if type(data) is not dict:
+            if isinstance(data, cls):
+                return data  # decoded already (a step's record, from its `engine`)
             raise TypeError(f"{cls.__name__}: an object expected, not {type(data).__name__}")
         values = {}
         for name, convert, strict, required, fallback in fields:
-            if name not in data:
+            value = data.get(name, _MISSING)
+            if value is _MISSING:
                 if required:
                     raise KeyError(name)  # not the event it says it is, or cut off
                 continue
-            value = convert(data[name])
+            value = convert(value)
             if value is _BAD:
                 if strict:
                     raise TypeError(f"{name}: {data[name]!r}")

@@ -25,6 +25,7 @@ from ..eventlog.reader import EventLogReader
 from .protocol import BALANCE, BATCH_SIZE, DEVICES, PAUSE, ControlUnsupported
 
 FOLLOW_POLL_S = 0.2  # how often a followed file is checked for new lines
+FIRST_SCREEN_WAIT_S = 2.0  # the longest indexing waits for the UI to draw the tail
 
 
 class RecordedRun(Publisher):
@@ -82,6 +83,8 @@ class RecordedRun(Publisher):
     def _read_indexed(self, index: LogIndex) -> None:
         while not self._stop.is_set():
             index.read_tail(self._tail_steps)
+            # The first screen before the index: both want the interpreter, and it comes first.
+            index.shown.wait(FIRST_SCREEN_WAIT_S)
             index.build(self._stop)
             if not self.follow:
                 index.finish()
