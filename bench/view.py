@@ -39,6 +39,9 @@ TRACE_STEPS = 100_000
 FIRST_SCREEN_S, FIRST_SCREEN_MIB = 2.0, 300  # issue 22's goals
 FORMAT_VERSION = 1  # of the generated log: bump when the generator changes
 ROOT = Path(__file__).resolve().parent.parent
+# The status bar names the run once its run_started and last steps are read (the same frame
+# draws the panels); before that it says "… · …".
+FIRST_FRAME = "seed · dp".encode()
 
 
 def cache_dir() -> Path:
@@ -133,8 +136,8 @@ def _peak_mib(pid: int) -> float:
 
 
 def first_screen(log: Path, timeout: float = 120.0) -> dict[str, float]:
-    """`dptui view LOG` in a pty: seconds to the first frame with the status bar, and to the
-    whole log indexed ("step N of N"), with the peak RSS at each."""
+    """`dptui view LOG` in a pty: seconds to the first frame that shows the run (its status bar
+    and panels), and to the whole log indexed ("step N of N"), with the peak RSS at each."""
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
     env = {**os.environ, "TERM": "xterm-256color", "COLUMNS": "120", "LINES": "40"}
@@ -144,6 +147,7 @@ def first_screen(log: Path, timeout: float = 120.0) -> dict[str, float]:
     os.close(slave)
     out: dict[str, float] = {}
     seen = b""
+    shown = False
     try:
         while time.perf_counter() - started < timeout and "indexed_s" not in out:
             ready, _, _ = select.select([master], [], [], 0.02)
@@ -153,7 +157,8 @@ def first_screen(log: Path, timeout: float = 120.0) -> dict[str, float]:
                 except OSError:
                     break
                 seen = (seen + chunk)[-4096:]
-            if "first_s" not in out and b"recording" in seen:
+                shown = shown or FIRST_FRAME in seen
+            if "first_s" not in out and shown:
                 out["first_s"] = time.perf_counter() - started
                 out["first_mib"] = _peak_mib(proc.pid)
             if "first_s" in out and re.search(rb"step \d+ of \d+", seen):
