@@ -483,10 +483,17 @@ def test_the_viewer_imports_no_torch(tmp_path):
     log = tmp_path / "run.jsonl"
     write_log(log, run_events([30, 12]))
     script = (
-        "import sys\n"
-        "import tui.view.app\n"
+        "import asyncio, sys\n"
         "from tui.cli import main\n"
+        "from tui.view.app import ViewerApp\n"
         f"assert main(['view', '--headless', {str(log)!r}]) == 0\n"
+        "async def show():\n"
+        f"    app = ViewerApp({str(log)!r})\n"
+        "    async with app.run_test(size=(120, 40)) as pilot:\n"
+        "        while 'step 2 of 2' not in str(app.status.content):\n"
+        "            await asyncio.sleep(0.02)\n"
+        "        await pilot.press('left', 'd', 'question_mark', 'escape', 'w', 'q')\n"
+        "asyncio.run(show())\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
