@@ -84,6 +84,12 @@ class ViewerApp(DptuiApp):
         self.replay.move(**where)
         self.refresh_view()
 
+    def _refresh_widgets(self) -> None:
+        super()._refresh_widgets()
+        if not self.index.shown.is_set() and self.replay.started:
+            # The tail's screen is laid out: once it is painted, the index may take the interpreter.
+            self.call_after_refresh(self.index.shown.set)
+
     def _flush_log(self) -> None:
         if self.replay.take_rebuilt():
             self.log_view.clear()  # the log as it was at the shown step, written anew

@@ -72,7 +72,6 @@ class ReplayView:
             elif not self._tail_fed and index.changes:
                 self._tail_fed = True
                 self._feed(index.tail_events())
-                index.shown.set()
             return
         if self._cursor is None and index.line_count - 1 > self._fed:
             if index.step_count and index.step_line(max(0, index.step_count - HISTORY_POINTS)) > self._fed:
