@@ -39,11 +39,19 @@ ENGINE_TRACK = "engine"
 APPROXIMATE = "approximate: phases laid end to end"
 
 
+_json = json.JSONEncoder(separators=(",", ":")).encode
+
+
+def _value(value: Any) -> str:
+    """A JSON value: a step number or row count as it is, anything else encoded."""
+    return str(value) if type(value) is int else _json(value)
+
+
 def _ms(value: Any) -> float | None:
-    """A duration or offset in ms, if it is a finite number."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0:
-        return float(value)
-    return None
+    """A duration or offset in ms, if it is a finite number, not negative."""
+    if type(value) is float:
+        return value if value >= 0 and value - value == 0.0 else None
+    return float(value) if type(value) is int and value >= 0 else None
 
 
 class _Run:
@@ -109,7 +117,7 @@ class TraceWriter:
         engine = data.get("engine") if isinstance(data.get("engine"), dict) else {}
         replicas = [r for r in data.get("replicas") or () if isinstance(r, dict)]
         exact = True
-        phases: list[tuple[str, str, float, float, dict]] = []  # track, name, start, duration (ms)
+        phases: list[tuple[str, str, float, float, Any]] = []  # track, name, start, duration (ms), rows
         at = 0.0
         starts = {}
         for phase in ENGINE_PHASES:
@@ -119,13 +127,13 @@ class TraceWriter:
                 exact, start = False, at
             starts[phase] = start
             if duration is not None:
-                phases.append((ENGINE_TRACK, phase, start, duration, {}))
+                phases.append((ENGINE_TRACK, phase, start, duration, None))
                 at = start + duration
         forward_end = _ms(engine.get("total_ms"))
         forward_end = at if forward_end is None else max(forward_end, at)
         for replica in replicas:
             track = str(replica.get("device", f"replica {replica.get('index', '?')}"))
-            rows = {"rows": replica.get("chunk_size")}
+            rows = replica.get("chunk_size")
             for phase, default in (("forward", starts["apply"]), ("backward", forward_end)):
                 duration = _ms(replica.get(f"{phase}_ms"))
                 start = _ms(replica.get(f"{phase}_start_ms"))
@@ -161,7 +169,7 @@ class TraceWriter:
             if start is None:
                 exact, start = False, at
             if duration is not None:
-                phases.append((track, phase, start, duration, {}))
+                phases.append((track, phase, start, duration, None))
                 at = max(at, start + duration)
         total = _ms(data.get("total_ms"))
         run.rank_span_us = max(run.rank_span_us, total if total is not None else at)
@@ -188,11 +196,18 @@ class TraceWriter:
         self.steps += 1
         if instant:
             self._instant(run, step, start_us)
-        args = {"step": step}
-        for track, name, start, duration, extra in phases:
+        # The bulk of a trace: formatted directly (json.dumps per event costs more than the rest).
+        step_json = _value(step)
+        lines = []
+        for track, name, start, duration, rows in phases:
             tid = self._track(run, track)
-            self._emit({"name": name, "cat": "step", "ph": "X", "pid": run.pid, "tid": tid,
-                        "ts": start_us + start * 1000, "dur": duration * 1000, "args": {**args, **extra}})
+            extra = "" if rows is None else f',"rows":{_value(rows)}'
+            lines.append(f'{{"name":"{name}","cat":"step","ph":"X","pid":{run.pid},"tid":{tid},'
+                         f'"ts":{start_us + start * 1000!r},"dur":{duration * 1000!r},'
+                         f'"args":{{"step":{step_json}{extra}}}}}')
+        if lines:
+            self._write(("\n" if self._first else ",\n") + ",\n".join(lines))
+            self._first = False
 
     def _instant(self, run: _Run, step: Any, ts: float) -> None:
         tid = self._track(run, ENGINE_TRACK)
@@ -208,7 +223,7 @@ class TraceWriter:
         return tid
 
     def _emit(self, event: dict[str, Any]) -> None:
-        self._write(("\n" if self._first else ",\n") + json.dumps(event, separators=(",", ":")))
+        self._write(("\n" if self._first else ",\n") + _json(event))
         self._first = False
 
     def _write(self, text: str) -> None:
