@@ -133,13 +133,14 @@ def main(argv: Sequence[str]) -> int:
             check_log_path(args.trace, "--trace")
             return write_trace(args.log, args.trace)
         if args.headless:
-            # The UI follows until quit: the log may go on with a restarted run.
+            # Following ends with the run; the UI follows until quit (a log may go on with a restarted run).
             return print_summary(RecordedRun(args.log, follow=args.follow, stop_at_end=True), sys.stdout)
         from .app import run_viewer
 
         return run_viewer(args.log, args.follow)
     except (UsageError, EventLogError) as error:
-        # An EventLogError here is damage past the first line, found while reading.
+        # An EventLogError here is a file that stopped being a log while read (rare: damaged
+        # lines are skipped).
         where = "" if isinstance(error, UsageError) else f"{args.log}: "
         print(f"dptui view: error: {where}{error}", file=sys.stderr)
         return EXIT_USAGE
