@@ -7,7 +7,6 @@ screen sees every kind of step (10/10/10, then 4/4/2 at the end of an epoch).
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import io
 import signal
@@ -18,10 +17,10 @@ import pytest
 import torch
 from reference_loop import chunk_sizes
 from rich.console import Console
-from textual import events
 from textual.widgets import Input, SelectionList, Static
 from torch import nn
 from torch.utils.data import TensorDataset
+from pilot import active_chunks, holds, log_text, press, quit_app, status, until
 from ui_fakes import FixedTelemetry, ScriptedTrainer, demo_events, factory_of, gpu_sample, step_event
 
 from dpengine.eventlog.events import ConfigChanged, RunFailed, StateChanged, StepFinished
@@ -215,113 +214,75 @@ def real_factory(*, epochs: int | None = None, workload: Callable[[], Workload] 
     return make
 
 
-async def until(pilot, condition: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
-    """Poll with plain sleeps: pilot.pause touches the screen, which is gone once the app quit."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what or condition}"
-        await asyncio.sleep(0.02)
-
-
-CHARS = {"plus": "+", "minus": "-", "space": " ", "question_mark": "?"}
-
-
-async def press(pilot, *keys: str) -> None:
-    """Send keys as the terminal would. Unlike pilot.press, this does not wait (up to
-    2 s a key) for the process to go idle, which it never does while training runs."""
-    for key in keys:
-        pilot.app.post_message(events.Key(key, CHARS.get(key, key)))
-    await asyncio.sleep(0.01)
-
-
-async def quit_app(pilot) -> None:
-    """q, then wait for the app to be gone: a key posted during shutdown would find no screen."""
-    await press(pilot, "q")
-    await until(pilot, lambda: not pilot.app.is_running, timeout=3, what="the app to exit")
-
-
 def notices(app: DptuiApp, severity: str) -> list[str]:
     return [n.message for n in app._notifications if n.severity == severity]
 
 
-def active_chunks(app: DptuiApp) -> list[int | None]:
-    return [p.chunk for p in app.query(DevicePanel) if p.view and p.view.active]
-
-
-def log_text(app: DptuiApp) -> str:
-    return "\n".join(strip.text for strip in app.log_view.lines)
-
-
-def status(app: DptuiApp) -> str:
-    return str(app.status.content)
-
-
 async def test_panels_show_each_replicas_chunk():
     app = DptuiApp(real_factory())
-    async with app.run_test(size=(120, 40)) as pilot:
-        await until(pilot, lambda: active_chunks(app) == [10, 10, 10], what="chunks 10/10/10")
-        await until(pilot, lambda: active_chunks(app) == [4, 4, 2], what="the last step's 4/4/2")
+    async with app.run_test(size=(120, 40)):
+        await until(lambda: active_chunks(app) == [10, 10, 10], what="chunks 10/10/10")
+        await until(lambda: active_chunks(app) == [4, 4, 2], what="the last step's 4/4/2")
         assert "│ batch 30 │" in status(app)
         assert [p.border_title for p in app.query(DevicePanel)][1] == "2 cpu:1 virtual"
-        await quit_app(pilot)
+        await quit_app(app)
 
 
 async def test_plus_doubles_the_batch_at_the_next_step():
     app = DptuiApp(real_factory())
-    async with app.run_test() as pilot:
-        await until(pilot, lambda: active_chunks(app) == [10, 10, 10])
-        await press(pilot, "plus")
-        await until(pilot, lambda: active_chunks(app) == [20, 20, 20], what="chunks of 20")
+    async with app.run_test():
+        await until(lambda: active_chunks(app) == [10, 10, 10])
+        await press(app, "plus")
+        await until(lambda: active_chunks(app) == [20, 20, 20], what="chunks of 20")
         assert "│ batch 60 │" in status(app)
-        await press(pilot, "minus", "minus")
-        await until(pilot, lambda: active_chunks(app) == [5, 5, 5], what="chunks of 5")
-        await quit_app(pilot)
+        await press(app, "minus", "minus")
+        await until(lambda: active_chunks(app) == [5, 5, 5], what="chunks of 5")
+        await quit_app(app)
 
 
 async def test_a_change_shows_as_pending_at_once():
     app = DptuiApp(real_factory())
-    async with app.run_test() as pilot:
-        await until(pilot, lambda: "running" in status(app))
-        await press(pilot, "space")
-        await until(pilot, lambda: "paused" in status(app))
-        await press(pilot, "plus")
-        await until(pilot, lambda: "pending: batch 60" in status(app), what="pending")  # paused: no step
-        await quit_app(pilot)
+    async with app.run_test():
+        await until(lambda: "running" in status(app))
+        await press(app, "space")
+        await until(lambda: "paused" in status(app))
+        await press(app, "plus")
+        await until(lambda: "pending: batch 60" in status(app), what="pending")  # paused: no step
+        await quit_app(app)
 
 
 async def test_taking_a_device_out_leaves_two_active_panels():
     app = DptuiApp(real_factory())
-    async with app.run_test() as pilot:
-        await until(pilot, lambda: active_chunks(app) == [10, 10, 10])
-        await press(pilot, "3")
-        await until(pilot, lambda: active_chunks(app) == [15, 15], what="two panels with 15 each")
+    async with app.run_test():
+        await until(lambda: active_chunks(app) == [10, 10, 10])
+        await press(app, "3")
+        await until(lambda: active_chunks(app) == [15, 15], what="two panels with 15 each")
         assert list(app.query(DevicePanel))[2].has_class("-inactive")
-        await press(pilot, "3")
-        await until(pilot, lambda: active_chunks(app) == [10, 10, 10], what="cpu:2 back")
-        await quit_app(pilot)
+        await press(app, "3")
+        await until(lambda: active_chunks(app) == [10, 10, 10], what="cpu:2 back")
+        await quit_app(app)
 
 
 async def test_pause_stops_the_step_count_and_space_resumes():
     app = DptuiApp(real_factory())
-    async with app.run_test() as pilot:
-        await until(pilot, lambda: app.session.view.step > 2)
-        await press(pilot, "space")
-        await until(pilot, lambda: "● paused" in status(app), what="paused")
+    async with app.run_test():
+        await until(lambda: app.session.view.step > 2)
+        await press(app, "space")
+        await until(lambda: "● paused" in status(app), what="paused")
         step = app.session.view.step
-        await asyncio.sleep(0.3)
-        assert app.session.view.step == step
-        await press(pilot, "space")
-        await until(pilot, lambda: app.session.view.step > step, what="steps again")
-        await quit_app(pilot)
+        await holds(lambda: app.session.view.step == step, 0.3, "no step while paused")  # a step is ~10 ms here
+        await press(app, "space")
+        await until(lambda: app.session.view.step > step, what="steps again")
+        await quit_app(app)
 
 
 async def test_q_stops_the_run_and_exits_quickly():
     factory = real_factory()
     app = DptuiApp(factory)
-    async with app.run_test() as pilot:
-        await until(pilot, lambda: active_chunks(app) == [10, 10, 10])
+    async with app.run_test():
+        await until(lambda: active_chunks(app) == [10, 10, 10])
         started = time.monotonic()
-        await quit_app(pilot)
+        await quit_app(app)
     assert time.monotonic() - started < 3
     assert app.return_code == 0
     assert factory.built[0].stopping
@@ -331,15 +292,15 @@ async def test_q_stops_the_run_and_exits_quickly():
 async def test_r_restarts_from_fresh_weights():
     factory = real_factory()
     app = DptuiApp(factory)
-    async with app.run_test() as pilot:
-        await until(pilot, lambda: app.session.view.step > 12)
+    async with app.run_test():
+        await until(lambda: app.session.view.step > 12)
         first = app.session
-        await press(pilot, "r")
-        await until(pilot, lambda: app.session is not first and app.session.view.started, what="the new run")
+        await press(app, "r")
+        await until(lambda: app.session is not first and app.session.view.started, what="the new run")
         assert first.view.ended  # the old loop stopped itself before the new one began
         assert len(factory.built) == 2
         assert app.session.view.step < 12
-        await quit_app(pilot)
+        await quit_app(app)
 
 
 class Exploding(nn.Linear):
@@ -359,41 +320,44 @@ async def test_a_failed_run_is_reported_and_r_recovers():
     broken, healthy = real_factory(workload=failing_workload), real_factory()
     makers = iter([broken, healthy])
     app = DptuiApp(lambda: next(makers)())
-    async with app.run_test(size=(120, 40)) as pilot:
-        await until(pilot, lambda: notices(app, "error"), what="the failure's notification")
+    async with app.run_test(size=(120, 40)):
+        await until(lambda: notices(app, "error"), what="the failure's notification")
         (notice,) = notices(app, "error")
         assert "replica 0 on cpu:0" in notice and "this model always fails" in notice
         assert "● failed" in status(app)
-        await until(pilot, lambda: any(p.view.failed for p in app.query(DevicePanel)), what="the panel marked")
+        await until(lambda: any(p.view.failed for p in app.query(DevicePanel)), what="the panel marked")
         failed_panel = app.query(DevicePanel).first()  # replica 0 raised
         assert failed_panel.view.failed and failed_panel.border_subtitle == "failed"
         assert failed_panel.has_class("-failed")
         assert [p.view.failed for p in app.query(DevicePanel)] == [True, False, False]
-        await until(pilot, lambda: "this model always fails" in log_text(app), what="the log line")
+        await until(lambda: "this model always fails" in log_text(app), what="the log line")
         assert "Traceback" not in log_text(app)
-        await press(pilot, "r")
-        await until(pilot, lambda: active_chunks(app) == [10, 10, 10], what="the healthy run")
-        await quit_app(pilot)
+        await press(app, "r")
+        await until(lambda: active_chunks(app) == [10, 10, 10], what="the healthy run")
+        await quit_app(app)
 
 
 async def test_a_factory_error_keeps_the_app_up():
     def factory():
-        raise ValueError("device cuda:7 is not available")
+        raise ValueError("device cuda:7 is not available\n(this machine has 2 GPUs)")
 
     app = DptuiApp(factory)
-    async with app.run_test() as pilot:
-        await until(pilot, lambda: notices(app, "error"))
+    async with app.run_test():
+        await until(lambda: notices(app, "error"))
         assert "cuda:7" in notices(app, "error")[0]
-        await press(pilot, "space")  # greyed out: nothing to pause, nothing breaks
-        await quit_app(pilot)
+        failed = app._worker.result  # what a trainer publishes for an error: one line, traceback kept
+        assert failed.error == "ValueError: device cuda:7 is not available"
+        assert "raise ValueError" in failed.traceback
+        await press(app, "space")  # greyed out: nothing to pause, nothing breaks
+        await quit_app(app)
     assert app.return_code == 1  # no run: q says it failed
 
 
 async def test_q_after_a_failed_run_exits_1():
     app = DptuiApp(real_factory(workload=failing_workload))
-    async with app.run_test() as pilot:
-        await until(pilot, lambda: app.session.view.state == "failed", what="the failure")
-        await quit_app(pilot)
+    async with app.run_test():
+        await until(lambda: app.session.view.state == "failed", what="the failure")
+        await quit_app(app)
     assert app.return_code == 1
 
 
@@ -406,8 +370,8 @@ async def test_the_app_gives_back_the_sigterm_handler_it_replaced():
     before = signal.signal(signal.SIGTERM, forward)
     try:
         app, _ = scripted_app()
-        async with app.run_test() as pilot:
-            await quit_app(pilot)
+        async with app.run_test():
+            await quit_app(app)
         assert signal.getsignal(signal.SIGTERM) is forward
     finally:
         signal.signal(signal.SIGTERM, before)
@@ -422,7 +386,7 @@ def scripted_app(available=DEVICES, devices=None) -> tuple[DptuiApp, ScriptedTra
 
 
 async def started(pilot, trainer: ScriptedTrainer) -> None:
-    await until(pilot, trainer.published.is_set)
+    await until(trainer.published.is_set)
     pilot.app.refresh_view()
     await pilot.pause()
 
@@ -432,7 +396,7 @@ async def test_b_asks_for_a_batch_size_and_refuses_less_than_one():
     async with app.run_test() as pilot:
         await started(pilot, trainer)
         await pilot.press("b")
-        await until(pilot, lambda: isinstance(app.screen, BatchSizeScreen))
+        await until(lambda: isinstance(app.screen, BatchSizeScreen))
         app.screen.query_one(Input).value = "0"
         await pilot.press("enter")
         assert isinstance(app.screen, BatchSizeScreen)
@@ -441,7 +405,7 @@ async def test_b_asks_for_a_batch_size_and_refuses_less_than_one():
         assert app.is_running and isinstance(app.screen, BatchSizeScreen)
         app.screen.query_one(Input).value = "45"
         await pilot.press("enter")
-        await until(pilot, lambda: not isinstance(app.screen, BatchSizeScreen))
+        await until(lambda: not isinstance(app.screen, BatchSizeScreen))
         assert ("set_batch_size", 45) in trainer.calls
         assert "pending: batch 45" in status(app)
         await pilot.press("q")
@@ -452,13 +416,13 @@ async def test_d_picks_devices_from_a_list():
     async with app.run_test() as pilot:
         await started(pilot, trainer)
         await pilot.press("d")
-        await until(pilot, lambda: isinstance(app.screen, DevicesScreen))
+        await until(lambda: isinstance(app.screen, DevicesScreen))
         picker = app.screen.query_one(SelectionList)
         assert picker.selected == list(DEVICES)
         picker.deselect("cpu:0")
         picker.select("cpu:3")
         await pilot.press("a")
-        await until(pilot, lambda: not isinstance(app.screen, DevicesScreen))
+        await until(lambda: not isinstance(app.screen, DevicesScreen))
         assert trainer.calls[-1] == ("set_devices", ("cpu:1", "cpu:2", "cpu:3"))
         assert "+cpu:3 -cpu:0" in status(app)
         await pilot.press("q")
@@ -470,7 +434,7 @@ async def test_the_last_device_cannot_be_removed():
         await started(pilot, trainer)
         await pilot.press("2")
         assert not [c for c in trainer.calls if c[0] == "set_devices"]
-        await until(pilot, lambda: notices(app, "warning"))
+        await until(lambda: notices(app, "warning"))
         assert "last active device" in notices(app, "warning")[-1]
         await pilot.press("q")
 
@@ -484,14 +448,14 @@ async def test_footer_and_help_list_every_key_and_l_hides_the_log():
         await started(pilot, trainer)
         assert {k.key_display for k in app.query("FooterKey")} == KEYS
         await pilot.press("question_mark")
-        await until(pilot, lambda: isinstance(app.screen, HelpScreen))
+        await until(lambda: isinstance(app.screen, HelpScreen))
         console = Console(width=100, file=io.StringIO(), record=True)
         for static in app.screen.query(Static):
             console.print(static.content)
         help_keys = {line.split()[0] for line in console.export_text().splitlines() if line.strip()}
         assert KEYS <= help_keys
         await pilot.press("escape")
-        await until(pilot, lambda: not isinstance(app.screen, HelpScreen))
+        await until(lambda: not isinstance(app.screen, HelpScreen))
         await pilot.press("l")
         assert not app.log_view.display
         await pilot.press("l")

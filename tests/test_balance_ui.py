@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import time
 
+from pilot import until
 from textual.widgets import Input
 from ui_fakes import ScriptedTrainer, demo_events, factory_of, step_event
 
@@ -18,13 +17,6 @@ from tui.widgets.device_panel import body_lines
 from tui.widgets.status_bar import status_text
 
 DEVICES = ("cpu:0", "cpu:1", "cpu:2")
-
-
-async def until(condition, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {condition}"
-        await asyncio.sleep(0.02)
 
 
 def test_split_changes_show_in_the_view_the_panels_and_the_status_bar():

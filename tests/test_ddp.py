@@ -19,6 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from fixtures.ddp_workloads import SLOW_STEP_S
 
 from dpengine.distributed import DdpTrainer, WorkloadSpec
 from dpengine.distributed.channel import is_comm_error
@@ -36,7 +37,6 @@ from dpengine.run.workloads import load_workload
 
 FIXTURES = Path(__file__).parent / "fixtures"
 DDP_WORKLOADS = FIXTURES / "ddp_workloads.py"
-SLOW_STEP_S = 8.0  # tests/fixtures/ddp_workloads.py's SleepsOnRank
 SEED = 7
 TOLERANCE = 1e-5
 

@@ -7,11 +7,10 @@ import io
 import json
 import math
 import threading
-import time
-from collections.abc import Callable
 
 import pytest
 from ui_fakes import demo_events, gpu_sample, step_event
+from waiting import wait_for
 
 from dpengine.eventlog import reader as eventlog
 from dpengine.eventlog.events import (
@@ -239,13 +238,6 @@ def test_a_log_needs_a_readable_run_started(tmp_path):
     path.write_text("# notes\n")
     with pytest.raises(EventLogError, match="line 1 is not JSON"):
         check_event_log(path, follow=True)
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 def test_a_followed_recording_publishes_lines_as_they_are_written_until_the_run_ends(tmp_path):

@@ -2,29 +2,30 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
+import math
 import os
 import pty
 import signal
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 import pytest
-from textual import events
+from pilot import active_chunks, holds, log_text, press, status, until
+from ui_fakes import step_event
+from waiting import gone, wait_for
 
-from tui.script.app import ScriptApp
+from dpengine.eventlog.events import RunConfig, RunStarted
+from tui.script.app import ScriptApp, ScriptRunView
+from tui.script.events import ScriptOutput
 from tui.script.script_run import BATCH_OWNED, ScriptRun, ScriptTarget
 from tui.widgets.device_panel import DevicePanel
 
 SCRIPTS = Path(__file__).parent / "fixtures" / "scripts"
 AVAILABLE = ("cpu:0", "cpu:1", "cpu:2", "cpu:3")
-CHARS = {"plus": "+", "space": " "}
 
 
 def make_app(name: str, *args: str) -> ScriptApp:
@@ -33,36 +34,26 @@ def make_app(name: str, *args: str) -> ScriptApp:
     return ScriptApp(run)
 
 
-async def until(condition: Callable[[], bool], timeout: float = 20.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what or condition}"
-        await asyncio.sleep(0.02)
+def test_the_view_says_which_dataparallel_the_panels_follow_and_restarts_its_rate_chart():
+    view = ScriptRunView("train.py", lambda: 0.0)
+    view.feed(RunStarted(dp_config("DataParallel(G)", AVAILABLE[:2])))
+    for step in range(1, 4):
+        view.feed(step_event(step, 1, step, 10, 30, AVAILABLE[:2]))
+    view.feed(ScriptOutput("stdout", "epoch 1 done"))
+    assert len(view.snapshot().throughput_history) == 3
+    view.feed(RunStarted(dp_config("DataParallel(D)", AVAILABLE[2:])))
+    snap = view.snapshot()
+    assert (snap.workload, snap.throughput_history, snap.samples_per_s) == ("DataParallel(D)", (), None)
+    assert [p.device for p in snap.panels if p.active] == list(AVAILABLE[2:])
+    lines = [(line.text, line.kind) for line in view.take_log() if line.kind != "model" or "epoch" in line.text]
+    assert lines == [("panels follow DataParallel(G) on cpu:0, cpu:1", "event"), ("epoch 1 done", "model"),
+                     ("panels follow DataParallel(D) on cpu:2, cpu:3", "event")]
 
 
-async def press(app: ScriptApp, *keys: str) -> None:
-    for key in keys:  # as the terminal sends them; pilot.press waits for an idle that never comes
-        app.post_message(events.Key(key, CHARS.get(key, key)))
-    await asyncio.sleep(0.01)
-
-
-def status(app: ScriptApp) -> str:
-    return str(app.status.content)
-
-
-def log_text(app: ScriptApp) -> str:
-    return "\n".join(strip.text for strip in app.log_view.lines)
-
-
-def active_chunks(app: ScriptApp) -> list[int | None]:
-    return [p.view.chunk for p in app.query(DevicePanel) if p.view and p.view.active]
-
-
-def gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
+def dp_config(instance: str, devices: tuple[str, ...]) -> RunConfig:
+    """What ScriptRun publishes when the panels start following a DataParallel."""
+    return RunConfig(workload=instance, backend="dptui run", devices=devices, available_devices=AVAILABLE,
+                     batch_size=30, epochs=None, lr=math.nan, seed=None, samples=0, device_names=("virtual",) * 4)
 
 
 async def test_run_mode_shows_replicas_and_output_and_steers_the_script():
@@ -76,8 +67,8 @@ async def test_run_mode_shows_replicas_and_output_and_steers_the_script():
         await press(app, "space")
         await until(lambda: "● paused" in status(app), what="paused at the next forward")
         step = app.session.view.step
-        await asyncio.sleep(0.3)  # paused: a forward would show as a new step
-        assert app.session.view.step == step
+        # Paused: a forward (one each 10 ms here) would show as a new step.
+        await holds(lambda: app.session.view.step == step, 0.3, "no step while paused")
         await press(app, "space")
         await until(lambda: app.session.view.step > step, what="steps again")
 
@@ -151,17 +142,12 @@ def test_the_ui_in_a_real_terminal_takes_the_script_along_when_dptui_is_signalle
 
     threading.Thread(target=drain, daemon=True).start()
     try:
-        deadline = time.monotonic() + 30
-        while len(psutil.Process(proc.pid).children(recursive=True)) < 2 or b"step" not in screen:
-            assert time.monotonic() < deadline, "the script never got going"
-            time.sleep(0.05)
+        wait_for(lambda: len(psutil.Process(proc.pid).children(recursive=True)) >= 2 and b"step" in screen,
+                 "the script to get going", timeout=30)
         family = psutil.Process(proc.pid).children(recursive=True)  # the script and its grandchild
         proc.send_signal(signum)
         assert proc.wait(30) == 130  # SIGINT to the script: its KeyboardInterrupt
-        deadline = time.monotonic() + 20
-        while not all(gone(p.pid) for p in family):
-            assert time.monotonic() < deadline, "a process was left behind"
-            time.sleep(0.05)
+        wait_for(lambda: all(gone(p.pid) for p in family), "every process of the script to be gone")
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from waiting import wait_for
 
 from dpengine.eventlog.events import StepFinished
 from dpengine.eventlog.reader import OtherEvent, decode_step, read_line
@@ -80,10 +81,8 @@ def test_a_stuck_reader_never_stalls_the_script_steps_are_coalesced(make_dp):
     received: list[dict] = []
     reader = threading.Thread(target=lambda: read_all(events_r, received), daemon=True)
     reader.start()  # dptui catches up
-    deadline = time.monotonic() + 20
-    while sum(1 if e["type"] == "step" else e.get("steps", 0) for e in list(received)) < posts:
-        assert time.monotonic() < deadline, "steps lost, neither sent nor counted as coalesced"
-        time.sleep(0.02)
+    wait_for(lambda: sum(1 if e["type"] == "step" else e.get("steps", 0) for e in list(received)) >= posts,
+             "every step, sent or counted as coalesced")
     assert any(e["type"] == "coalesced" for e in received)
     os.close(control_w)
 
@@ -100,15 +99,10 @@ def test_pause_holds_the_next_forward_until_resume():
         link.wait_if_paused()
         passed.set()
 
-    deadline = time.monotonic() + 10
-    while link._running.is_set():
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_for(lambda: not link._running.is_set(), "the pause to reach the link")
     thread = threading.Thread(target=forward)
     thread.start()
-    while not any(e.get("state") == "paused" for e in read_lines()):
-        assert time.monotonic() < deadline, "never said paused"
-        time.sleep(0.01)
+    wait_for(lambda: any(e.get("state") == "paused" for e in read_lines()), "the link to say paused")
     assert not passed.is_set()
     os.write(control_w, b'{"op": "resume"}\n')
     thread.join(10)

@@ -8,12 +8,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 import pytest
 import torch
+from waiting import gone, wait_for
 
 from dpengine.eventlog.events import StateChanged, StepFinished
 from dpengine.run.protocol import BALANCE, BATCH_SIZE, Run
@@ -40,20 +40,6 @@ def json_events(stdout: str) -> list[dict]:
 
 def of_type(events: list[dict], kind: str) -> list[dict]:
     return [e for e in events if e["type"] == kind]
-
-
-def wait_until(condition: Callable[[], bool], timeout: float = 20.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what or condition}"
-        time.sleep(0.05)
-
-
-def gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE  # dead, parent not reaped yet
-    except psutil.NoSuchProcess:
-        return True
 
 
 # -- running the program as python would --------------------------------------------
@@ -181,9 +167,9 @@ def test_a_paused_script_stops_at_the_first_signal():
     thread = threading.Thread(target=run.run)
     thread.start()
     try:
-        wait_until(lambda: any(isinstance(e, StepFinished) for e in seen), what="a step")
+        wait_for(lambda: any(isinstance(e, StepFinished) for e in seen), "a step")
         run.pause()
-        wait_until(lambda: any(isinstance(e, StateChanged) and e.state == "paused" for e in seen), what="paused")
+        wait_for(lambda: any(isinstance(e, StateChanged) and e.state == "paused" for e in seen), "paused")
         started = time.monotonic()
         run.stop()
         assert run.wait(20)
@@ -251,15 +237,15 @@ class Started:
                 self.pids = json.loads(event["line"])
                 break
         assert self.pids, self.proc.stderr.read()
-        wait_until(lambda: any(p.pid == self.pids["grandchild"] for p in psutil.Process(self.pids["child"]).children()),
-                   what="the grandchild")
+        wait_for(lambda: any(p.pid == self.pids["grandchild"] for p in psutil.Process(self.pids["child"]).children()),
+                 "the grandchild")
 
     def finish(self) -> tuple[int, list[dict]]:
         out, _err = self.proc.communicate(timeout=60)
         return self.proc.returncode, self.lines + json_events(out)
 
     def assert_all_gone(self) -> None:
-        wait_until(lambda: gone(self.pids["child"]) and gone(self.pids["grandchild"]), what="the group to be gone")
+        wait_for(lambda: gone(self.pids["child"]) and gone(self.pids["grandchild"]), "the group to be gone")
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])

@@ -7,12 +7,12 @@ Sync tests on purpose: snap_compare runs the app itself.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 
 import pytest
 
 from tui.app import DptuiApp
+from pilot import until
 from ui_fakes import ScriptedTrainer, demo_events, factory_of
 
 GPUS = ("cuda:0", "cuda:1", "cuda:2", "cuda:3")
@@ -28,8 +28,7 @@ def scripted(available, devices) -> tuple[DptuiApp, ScriptedTrainer]:
 
 def played(trainer: ScriptedTrainer):
     async def run_before(pilot) -> None:
-        while not trainer.published.is_set():
-            await asyncio.sleep(0.01)
+        await until(trainer.published.is_set, "the scripted run")
         pilot.app.refresh_view()
         await pilot.pause()
         # RichLog follows its end lazily, after a refresh; settle it so the picture cannot race.

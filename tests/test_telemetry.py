@@ -14,6 +14,7 @@ import psutil
 import pynvml
 import pytest
 import torch
+from waiting import wait_for
 
 from dpengine.telemetry import (
     CombinedSource,
@@ -136,18 +137,11 @@ class _ListSource:
         pass
 
 
-def _wait_for(predicate, timeout: float = 3.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
-
-
 def test_poller_calls_back_at_the_interval_off_the_callers_thread() -> None:
     source = _ListSource()
     stamps: list[float] = []
     with TelemetryPoller(source, lambda samples: stamps.append(time.monotonic()), interval=0.2) as poller:
-        _wait_for(lambda: len(stamps) >= 4)
+        wait_for(lambda: len(stamps) >= 4, "four samples")
         assert poller.running
     assert not poller.running
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]
@@ -177,14 +171,14 @@ def test_poller_survives_a_raising_source_and_callback() -> None:
             raise ValueError("bad callback")
 
     with TelemetryPoller(source, callback, interval=0.2) as poller:
-        _wait_for(lambda: len(received) >= 2)
+        wait_for(lambda: len(received) >= 2, "two samples through")
     assert source.calls >= 4
     assert poller.last_error == "ValueError: bad callback"
 
 
 def test_poller_keeps_the_last_error_text() -> None:
     with TelemetryPoller(_ListSource(failures=10**6), lambda samples: None, interval=0.2) as poller:
-        _wait_for(lambda: poller.last_error is not None)
+        wait_for(lambda: poller.last_error is not None, "an error")
     assert poller.last_error.startswith("RuntimeError: boom")
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from reference_loop import chunk_sizes, clone_state, reference_run
+from waiting import holds_for
 
 from dpengine.eventlog.events import (
     ConfigChanged,
@@ -313,14 +314,13 @@ def test_changes_from_another_thread_while_paused_apply_on_resume() -> None:
 
     rec.wait_for(StateChanged, lambda e: e.state == "paused")
     assert trainer.paused
-    time.sleep(0.2)
-    assert len(rec.steps) == 2  # nothing runs while paused
+    # A seed step takes milliseconds: a run that ignored the pause would show steps in 0.2 s.
+    holds_for(lambda: len(rec.steps) == 2, 0.2, "no step while paused")
     trainer.set_batch_size(45)
     trainer.set_devices(["cpu:3", "cpu:1"])  # another first device, another order
     assert trainer.has_pending_change
     assert trainer.batch_size == 30 and trainer.devices == tuple(THREE)  # not before the boundary
-    time.sleep(0.1)
-    assert len(rec.steps) == 2
+    holds_for(lambda: len(rec.steps) == 2, 0.1, "a change asked for does not end the pause")
     trainer.resume()
     thread.join(WAIT)
     assert not thread.is_alive()
@@ -355,8 +355,7 @@ def test_pause_and_resume_from_another_thread_then_stop() -> None:
         trainer.pause()
         rec.wait_for(StateChanged, lambda e: e.state == "paused")
         count = len(rec.steps)
-        time.sleep(0.3)
-        assert len(rec.steps) == count, "steps ran while paused"
+        holds_for(lambda: len(rec.steps) == count, 0.3, "steps ran while paused")
         assert thread.is_alive()
 
         trainer.resume()

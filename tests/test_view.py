@@ -3,18 +3,15 @@ through a recording with left, right, home and end."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import io
 import json
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from textual import events as keys
+from pilot import log_text, press, quit_app, status, until
 from ui_fakes import demo_events, step_event
 
 from dpengine.eventlog import index as index_module
@@ -266,29 +263,8 @@ def test_the_index_holds_offsets_not_events(tmp_path):
 # -- the UI ---------------------------------------------------------------------------------
 
 
-async def until(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
-
-
-async def press(app, *names: str) -> None:
-    for name in names:
-        app.post_message(keys.Key(name, None))
-    await asyncio.sleep(0.01)
-
-
-def status(app) -> str:
-    return str(app.status.content)
-
-
 def chunks(app) -> list[int | None]:
     return [p.view.chunk for p in app.query(DevicePanel) if p.view]
-
-
-def log_text(app) -> str:
-    return "\n".join(strip.text for strip in app.log_view.lines)
 
 
 def run_events(batches: list[int], workload: str = "seed") -> list:
@@ -300,11 +276,6 @@ def run_events(batches: list[int], workload: str = "seed") -> list:
     events.append(RunFinished(final_loss=0.2, epochs=1, steps=len(batches), samples=sum(batches),
                               seconds=0.1, stopped=False))
     return events
-
-
-async def quit_app(app) -> None:
-    await press(app, "q")
-    await until(lambda: not app.is_running, "the app to exit", timeout=3)
 
 
 async def test_the_viewer_starts_at_the_last_step_and_steps_with_the_arrow_keys(tmp_path):

@@ -27,7 +27,6 @@ from textual.widgets import Footer
 from textual.worker import Worker, WorkerCancelled, WorkerFailed
 
 from dpengine.eventlog.events import RunFailed, RunFinished
-
 from . import format as fmt
 from .screens.batch_size import BatchSizeScreen
 from .screens.devices import DevicesScreen
@@ -151,14 +150,14 @@ class DptuiApp(App[None]):
         try:
             trainer = self._trainer_factory()
         except Exception as error:  # a bad config: one line in the log, the app stays up
-            return view.fail(error)
+            return _failed(view.feed, error)
         unsubscribe = trainer.subscribe(view.feed)
         try:
             if not session.attach(trainer):
                 return None  # quit or restart came first
             return trainer.run()
         except Exception as error:  # the trainer reports its own failures; this is a bug's last stop
-            return view.fail(error)
+            return _failed(view.feed, error)
         finally:
             unsubscribe()
 
@@ -296,6 +295,17 @@ class DptuiApp(App[None]):
     def _terminate(self) -> None:
         self.session.stop()
         self.exit(return_code=143)
+
+
+def _failed(feed: Callable[[RunFailed], None], error: Exception) -> RunFailed:
+    """An error raised outside the run's own reporting (a bad config, a recording that cannot
+    be read on), fed to the view as the RunFailed a trainer would publish for it."""
+    # Here, not at the top: failures.py imports the engine (torch), which `dptui view` must not.
+    from dpengine.run.failures import run_failed
+
+    event = run_failed(error)
+    feed(event)
+    return event
 
 
 def run_app(trainer_factory: TrainerFactory) -> int:

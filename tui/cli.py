@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING
 
 from .stdout_pipe import StopOnBrokenPipe, silence_stdout
 from .usage import (
@@ -23,6 +23,7 @@ from .usage import (
     Parser,
     UsageError,
     check_checkpoint_path,
+    check_json_output,
     check_log_path,
     number,
     parse_devices,
@@ -113,8 +114,7 @@ class Settings:
 
 def check_args(argv: Sequence[str] | None) -> Settings:
     args = build_parser().parse_args(argv)
-    if args.json and not args.headless:
-        raise UsageError("--json needs --headless (the UI draws the run instead)")
+    check_json_output(args)
     devices, note = parse_devices(args.devices)
     if note and args.backend == "ddp":
         from dpengine.distributed import torchrun_env
@@ -329,17 +329,6 @@ class _StopOnInterrupt:
             signal.signal(signum, previous)
 
 
-def _give_up_now(code: int) -> NoReturn:
-    """The second Ctrl-C: exit at once. Replicas may be stuck mid-step in their threads, and the
-    interpreter's teardown (its last garbage collection among them) can wait seconds on them."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
-
-
 def _trace_file(path: str | None):
     """--trace FILE: one trace of every run the factory builds (`r` in the UI adds a process)."""
     if not path:
@@ -379,6 +368,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as error:
         print(f"dptui: error: {error}", file=sys.stderr)
         return EXIT_USAGE
+    from dpengine.run.exit_now import exit_now  # now: a second Ctrl-C should not wait on an import
+
     trace = _trace_file(settings.args.trace)
     if trace is not None:
         factory = _traced(factory, trace)
@@ -400,7 +391,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _close_trace(trace, code)
     except KeyboardInterrupt:
         print("dptui: interrupted", file=sys.stderr)
-        _give_up_now(EXIT_INTERRUPTED)
+        exit_now(EXIT_INTERRUPTED)  # replicas may be stuck mid-step: teardown could wait on them
     except BrokenPipeError:
         # Output piped into e.g. `head`: not an error of ours.
         sys.stderr.close()

@@ -152,24 +152,32 @@ class RunView:
         """The trainer's subscriber callback: cheap, never blocks for long."""
         with self._lock:
             self._version += 1
-            handler = _HANDLERS.get(type(event))
-            if handler is not None:
-                handler(self, event)
+            self._handle(event)
 
-    def fail(self, error: BaseException) -> RunFailed:
-        """Record an error raised outside the trainer's own reporting (e.g. by the factory)."""
-        event = RunFailed(error=f"{type(error).__name__}: {error}".splitlines()[0], error_type=type(error).__name__)
-        self.feed(event)
-        return event
+    def _handle(self, event: Event) -> None:
+        """One event, with the lock held. A view of another kind of run (`dptui run`'s) handles
+        its own kinds of event here and hands the rest on."""
+        handler = _HANDLERS.get(type(event))
+        if handler is not None:
+            handler(self, event)
 
-    def _on_started(self, event: RunStarted) -> None:
+    def start_anew(self, event: RunStarted, line: str) -> None:
+        """Show another run in this view from `event` on: its config and panels, a rate chart
+        that starts empty, and `line` in the log instead of the usual one. (`dptui run`: the
+        panels move to another DataParallel of the script.)"""
+        with self._lock:
+            self._version += 1
+            self._on_started(event, line)
+            self._throughput, self._throughput_history = None, deque(maxlen=HISTORY_POINTS)
+
+    def _on_started(self, event: RunStarted, line: str | None = None) -> None:
         config = event.config
         self._config = config
         self._state = "running"
         self._batch_size = config.batch_size
         self._devices = tuple(config.devices)
         self._per_device = {d: _Device() for d in config.available_devices}
-        self._event(text.started_log_line(config))
+        self._event(text.started_log_line(config) if line is None else line)
 
     def _on_step(self, event: StepFinished) -> None:
         self._last_step = event
@@ -241,8 +249,8 @@ class RunView:
         self._state = state
         self._pending_batch = self._pending_devices = self._pending_state = self._pending_balance = None
 
-    def _event(self, text: str) -> None:
-        self._log.append(LogLine(text, "event"))
+    def _event(self, text: str, kind: str = "event") -> None:
+        self._log.append(LogLine(text, kind))
 
     # -- asked for by the UI ----------------------------------------------------------
 

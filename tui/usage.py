@@ -27,6 +27,12 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see {self.prog} --help)")
 
 
+def check_json_output(args: argparse.Namespace) -> None:
+    """--json is a form of the headless output: with the UI, the screen shows the run instead."""
+    if args.json and not args.headless:
+        raise UsageError("--json needs --headless (the UI draws the run instead)")
+
+
 def whole_number(name: str, minimum: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:

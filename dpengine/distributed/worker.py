@@ -15,6 +15,10 @@ import signal
 import sys
 import time
 
+# A rank ends with exit_now: it keeps its last DDP process group alive on purpose (freeing it
+# can deadlock, see RankLoop.run), and after an error a gloo thread may still wait inside a
+# collective. Scripts that call `follow()` themselves should end the same way.
+from ..run.exit_now import exit_now
 from .channel import FD_ENV, PARENT_ENV, RANK_ENV, SharedSender, StoreBoard, inherited_channel, start_heartbeat
 from .messages import ErrorReport
 from .torchrun import TorchrunEnv, torchrun_env
@@ -102,21 +106,6 @@ def main() -> int:
         )
         return 2
     return follow(env)
-
-
-def exit_now(code: int) -> None:
-    """End a rank process without interpreter teardown.
-
-    A rank keeps its last DDP process group alive on purpose (freeing it can deadlock, see
-    RankLoop.run); after an error a gloo thread may also still wait inside a collective.
-    Scripts that call `follow()` themselves should end the same way.
-    """
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
 
 
 if __name__ == "__main__":

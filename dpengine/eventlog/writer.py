@@ -4,20 +4,26 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import IO
+from collections.abc import Callable
+from typing import IO, Any
 
-from .events import Event, to_json_dict
+from .events import to_json_dict
 
 
 class JsonLinesWriter:
-    """A subscriber that writes each event as one JSON object per line."""
+    """A subscriber that writes each event as one JSON object per line.
 
-    def __init__(self, stream: IO[str]) -> None:
+    `encode` turns an event into its JSON dict: dpengine's events by default; `dptui run`
+    passes one that also knows the events only it publishes.
+    """
+
+    def __init__(self, stream: IO[str], encode: Callable[[Any], dict[str, Any]] = to_json_dict) -> None:
         self._stream = stream
-        self._lock = threading.Lock()  # telemetry events arrive from their own thread
+        self._encode = encode
+        self._lock = threading.Lock()  # events arrive from several threads (training, telemetry, pipes)
 
-    def __call__(self, event: Event) -> None:
-        line = json.dumps(to_json_dict(event), separators=(",", ":"))
+    def __call__(self, event: Any) -> None:
+        line = json.dumps(self._encode(event), separators=(",", ":"))
         with self._lock:
             self._stream.write(line + "\n")
             self._stream.flush()

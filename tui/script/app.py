@@ -6,7 +6,6 @@ import dataclasses
 import signal
 import sys
 import time
-from collections import deque
 from collections.abc import Callable
 
 from rich.text import Text
@@ -16,8 +15,7 @@ from dpengine.eventlog.events import Event, RunFailed, RunFinished, RunStarted
 
 from .. import format as fmt
 from ..app import DptuiApp
-from ..session import Session
-from ..state import HISTORY_POINTS, LogLine, Notice, RunView, Snapshot
+from ..state import Notice, RunView, Snapshot
 from ..widgets.status_bar import STATE_STYLES, StatusBar
 from .events import DataParallelSeen, ScriptEvent, ScriptExited, ScriptOutput
 from .script_run import BATCH_OWNED, ScriptRun
@@ -37,24 +35,21 @@ class ScriptRunView(RunView):
         if isinstance(event, (RunFinished, RunFailed)):
             return  # ScriptExited says it, in the script's terms
         if isinstance(event, RunStarted):  # the first step of the DataParallel the panels follow
-            with self._lock:
-                self._version += 1
-                self._on_started(event)
-                self._throughput, self._throughput_history = None, deque(maxlen=HISTORY_POINTS)
-                config = event.config  # in the script's terms: it has no lr, seed or epochs we know
-                self._log[-1] = LogLine(f"panels follow {config.workload} on {', '.join(config.devices)}", "event")
+            config = event.config  # in the script's terms: it has no lr, seed or epochs we know
+            self.start_anew(event, f"panels follow {config.workload} on {', '.join(config.devices)}")
             return
+        super().feed(event)
+
+    def _handle(self, event: Event | ScriptEvent) -> None:
         handler = {ScriptOutput: self._on_output, DataParallelSeen: self._on_seen,
                    ScriptExited: self._on_exit}.get(type(event))
         if handler is None:
-            super().feed(event)
-            return
-        with self._lock:
-            self._version += 1
+            super()._handle(event)
+        else:
             handler(event)
 
     def _on_output(self, event: ScriptOutput) -> None:
-        self._log.append(LogLine(event.line, "error" if event.stream == "stderr" else "model"))
+        self._event(event.line, "error" if event.stream == "stderr" else "model")
 
     def _on_seen(self, event: DataParallelSeen) -> None:
         more = "" if event.count == 1 else " (i switches the panels to it)"
@@ -129,15 +124,13 @@ class ScriptApp(DptuiApp):
     ]
 
     def __init__(self, run: ScriptRun, **kwargs) -> None:
+        self.run_ = run  # before the base's __init__, which makes the first view
         super().__init__(lambda: run, **kwargs)
-        self.run_ = run
         self.title = f"dptui run {run.target.label}"
         self.status = ScriptStatusBar(run.target.label, id="status")
 
-    def _start_run(self) -> None:
-        self.session = Session(ScriptRunView(self.run_.target.label, self._clock))
-        self._shown_version = -1
-        self._worker = self._train(self.session)
+    def _new_view(self) -> ScriptRunView:
+        return ScriptRunView(self.run_.target.label, self._clock)
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action == "restart":

@@ -13,9 +13,10 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import IO
 
 from ..stdout_pipe import StopOnBrokenPipe, silence_stdout
-from ..usage import EXIT_USAGE, Parser, UsageError, check_log_path, number
+from ..usage import EXIT_USAGE, Parser, UsageError, check_json_output, check_log_path, number
 from ..usage import parse_devices as parse_device_names
 from .script_run import GRACE_S, ScriptRun, ScriptTarget
 
@@ -65,8 +66,7 @@ def _split(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, ScriptTarget]:
     options, rest = _split(argv)
     args = build_parser().parse_args(options)
-    if args.json and not args.headless:
-        raise UsageError("--json needs --headless (the UI draws the run instead)")
+    check_json_output(args)
     if not rest or rest == ["-m"]:
         raise UsageError(f"name a script or -m MODULE to run: {USAGE}")
     if rest[0] == "-m":
@@ -119,10 +119,8 @@ def main(argv: Sequence[str]) -> int:
     log = open(args.log, "w", encoding="utf-8") if args.log else None
     trace = None
     try:
-        from .events import JsonLines
-
         if log is not None:
-            run.subscribe(JsonLines(log))
+            run.subscribe(_json_lines(log))
         if args.trace:
             from dpengine.eventlog.trace import TraceFile
 
@@ -144,10 +142,17 @@ def main(argv: Sequence[str]) -> int:
                       file=sys.stderr)
 
 
-def _run_headless(run: ScriptRun, json_out: bool) -> int:
-    from .events import JsonLines
+def _json_lines(stream: IO[str]):
+    """A subscriber writing every event of the run, its own kinds too, as JSON Lines."""
+    from dpengine.eventlog.writer import JsonLinesWriter
 
-    guard = StopOnBrokenPipe(JsonLines(sys.stdout), run)
+    from .events import to_json
+
+    return JsonLinesWriter(stream, to_json)
+
+
+def _run_headless(run: ScriptRun, json_out: bool) -> int:
+    guard = StopOnBrokenPipe(_json_lines(sys.stdout), run)
     if json_out:
         run.subscribe(guard)
     signals = 0

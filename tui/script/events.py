@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
-import threading
 from dataclasses import asdict, dataclass
-from typing import IO, Any
+from typing import Any
 
 from dpengine.eventlog.events import Event, to_json_dict
 
@@ -44,19 +42,7 @@ ScriptEvent = ScriptStarted | ScriptOutput | DataParallelSeen | ScriptExited
 
 
 def to_json(event: Event | ScriptEvent) -> dict[str, Any]:
+    """Any event of a script run as a JSON dict: the encoder its JsonLinesWriter is given."""
     name = _TYPES.get(type(event))
     return {"type": name, **asdict(event)} if name else to_json_dict(event)
 
-
-class JsonLines:
-    """A subscriber that writes every event of a script run as one JSON object per line."""
-
-    def __init__(self, stream: IO[str]) -> None:
-        self._stream = stream
-        self._lock = threading.Lock()  # events come from the pipe readers and telemetry threads
-
-    def __call__(self, event: Event | ScriptEvent) -> None:
-        line = json.dumps(to_json(event), separators=(",", ":"))
-        with self._lock:
-            self._stream.write(line + "\n")
-            self._stream.flush()

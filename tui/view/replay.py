@@ -46,16 +46,14 @@ class ReplayView:
     # -- the reader thread's end ------------------------------------------------------
 
     def feed(self, event: object) -> None:
-        """A recording with an index publishes nothing; the viewer subscribes anyway."""
-
-    def fail(self, error: BaseException) -> RunFailed:
-        """The reader thread died: its error goes on the screen, in the log and the status."""
-        event = RunFailed(error=f"{type(error).__name__}: {error}".splitlines()[0], error_type=type(error).__name__)
-        with self._lock:
-            self._version += 1
-            self._error = event
-            self._shown.feed(event)
-        return event
+        """What the app feeds: a recording with an index publishes nothing (its lines are decoded
+        from the index), so a RunFailed here is the reader thread's death, shown in the status
+        bar and the log."""
+        if isinstance(event, RunFailed):
+            with self._lock:
+                self._version += 1
+                self._error = event
+                self._shown.feed(event)
 
     # -- decoding what is shown, on the UI's pull ---------------------------------------
 
