@@ -3,6 +3,7 @@ through a recording with left, right, home and end."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import io
 import json
@@ -446,6 +447,23 @@ async def test_the_viewer_opens_what_dptui_run_writes(tmp_path):
         await until(lambda: "lr –" in log_text(app), "the run's start in the log")
         await press(app, "left")
         await until(lambda: "step 3 of 4" in status(app), "step 3")
+        await quit_app(app)
+
+
+async def test_follow_picks_up_a_second_dptui_run_with_the_same_log(tmp_path):
+    log = run_script_with_log(tmp_path)  # 4 steps
+    app = ViewerApp(log, follow=True, poll_s=0.05)
+    async with app.run_test(size=(120, 40)):
+        await until(lambda: "step 4 of 4" in status(app), "the first run")
+        script = Path(__file__).parent / "fixtures" / "scripts" / "plain_loop.py"
+        ran = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "tui.cli", "run", "--headless", "--log", str(log), "--devices", "cpu:0,cpu:1",
+             str(script), "7"], capture_output=True, text=True, timeout=120,
+        )
+        assert ran.returncode == 0, ran.stderr
+        await until(lambda: "step 7 of 7, run finished" in status(app), "the second run, from its start")
+        assert "lines skipped" not in status(app)
         await quit_app(app)
 
 
