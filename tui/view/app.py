@@ -8,12 +8,11 @@ keys say that a recording cannot be steered.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 from textual.binding import Binding
 from textual.screen import ModalScreen
-
-import os
 
 from dpengine.eventlog.index import LogIndex
 from dpengine.run.recorded_run import FOLLOW_POLL_S, RecordedRun
