@@ -19,6 +19,7 @@ import threading
 import time
 
 from dpengine.eventlog.events import RunFailed, RunFinished, StepFinished
+from dpengine.run.options import RunOptions
 from dpengine.run.trainer import Trainer
 from dpengine.run.workloads import builtin_workload
 
@@ -61,8 +62,8 @@ class Collector:
 
 
 def make_trainer(collector: Collector, epochs: int) -> Trainer:
-    trainer = Trainer(builtin_workload("mlp", seed=0), list(DEVICES), epochs=epochs, seed=0,
-                      telemetry_interval=1.0)
+    trainer = Trainer(builtin_workload("mlp", seed=0), list(DEVICES),
+                      RunOptions(epochs=epochs, seed=0, telemetry_interval=1.0))
     trainer.subscribe(collector)
     return trainer
 

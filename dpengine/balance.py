@@ -227,11 +227,16 @@ def split_options(balance: Balance) -> dict:
     """DataParallel/set_split keyword arguments for a `parse_balance` value."""
     if isinstance(balance, str):
         return {"balance": balance}
-    return {"balance": "weighted", "weights": list(balance)}
+    return {"balance": "weights", "weights": list(balance)}
 
 
 def balance_name(balance: Balance) -> str:
     return balance if isinstance(balance, str) else "weights"
+
+
+def balance_weights(balance: Balance) -> tuple[float, ...]:
+    """The shares of the batch a `parse_balance` value asks for; () for "even" and "auto"."""
+    return () if isinstance(balance, str) else normalized(balance)
 
 
 def normalized(weights: Sequence[float]) -> tuple[float, ...]:

@@ -15,7 +15,9 @@ from torch import nn
 from torch._utils import ExceptionWrapper
 
 from .balance import Balancer, BalancedSplit, describe_split
-from .devices import DeviceLike, default_devices, device_name, parse_device, resolve_devices
+from .devices import (
+    DeviceLike, default_devices, device_name, parse_device, parse_output_device, resolve_devices,
+)
 from .instrument import BackwardCountdown, ReplicaProbe, SavedBytesCache, shapes_of, tensors_of
 from .parallel_apply import ThreadState, WorkerPool, reraise, run_in_state
 from .records import StepRecord
@@ -34,9 +36,10 @@ _set = object.__setattr__
 class DataParallel(nn.Module):
     """Drop-in for torch.nn.DataParallel that also runs on virtual CPU devices (`cpu:N`).
 
-    Beyond torch: `chunk_sizes` (an explicit split), `balance="weighted"` with one weight
+    Beyond torch: `chunk_sizes` (an explicit split), `balance="weights"` with one weight
     per device, or `balance="auto"` (dpengine.balance: the split follows the measured times);
-    `last_step` and `subscribe()` for what each replica did.
+    `set_split()` and `set_devices()` between forwards; `last_step` and `subscribe()` for what
+    each replica did.
     """
 
     def __init__(
@@ -63,7 +66,7 @@ class DataParallel(nn.Module):
             self._split = None
         else:
             self.output_device = (
-                self.devices[0] if output_device is None else _parse_output_device(output_device)
+                self.devices[0] if output_device is None else parse_output_device(output_device)
             )
             self.src_device_obj = self.devices[0]
             self._split = _make_split(len(self.devices), chunk_sizes, balance, weights)
@@ -78,8 +81,9 @@ class DataParallel(nn.Module):
         self._last_step: StepRecord | None = None
         self._saved_bytes = SavedBytesCache()
         self._plan: ReplicationPlan | None = None
-        self._call: _Call | None = None  # the forward in progress, for the four step methods
-        self._balancer = _make_balancer(len(self.devices), balance)
+        self._forward_state: _ForwardState | None = None  # the forward in progress, for the four step methods
+        self._split_kind = _balance_kind(balance)  # even, weights or auto: what set_devices keeps
+        self._balancer = _make_balancer(len(self.devices), self._split_kind)
 
     # -- configuration ---------------------------------------------------------
 
@@ -89,7 +93,31 @@ class DataParallel(nn.Module):
     ) -> None:
         """Change how batches are cut, from the next forward on; "auto" starts a fresh balancer."""
         self._split = _make_split(len(self.devices), chunk_sizes, balance, weights)
-        self._balancer = _make_balancer(len(self.devices), balance)
+        self._split_kind = _balance_kind(balance)
+        self._balancer = _make_balancer(len(self.devices), self._split_kind)
+
+    def set_devices(self, device_ids: Sequence[DeviceLike]) -> None:
+        """Run on `device_ids` from the next forward on; the module is not moved.
+
+        The module must already be on the first of them, as at construction (on CPU it always
+        is). The split keeps its kind: even stays even, auto starts afresh on the new devices
+        (a fresh balancer, an even split first), and chunk sizes or weights stay if they have
+        one entry per new device, else the split is even. Gathered outputs that went to the
+        first device go to the new first device.
+        """
+        devices = resolve_devices(device_ids)  # a ValueError for an empty or bad list
+        self.close()  # the workers were for the old devices
+        if self.output_device == self.src_device_obj:
+            self.output_device = devices[0]
+        self.devices = devices
+        self.device_ids = [d.index if d.type == "cuda" else d for d in devices]
+        self.src_device_obj = devices[0]
+        kept = self._split is not None and self._split.device_count == len(devices) and self._split_kind != "auto"
+        if not kept:
+            self._split = Split(len(devices))
+        if not kept and self._split_kind == "weights":
+            self._split_kind = "even"
+        self._balancer = _make_balancer(len(devices), self._split_kind)
 
     @property
     def balancing(self) -> bool:
@@ -132,64 +160,30 @@ class DataParallel(nn.Module):
         if not self.devices:
             return self.module(*inputs, **kwargs)
         self._flush_pending()
-        started = time.perf_counter()
+        state = _ForwardState(time.perf_counter())
         self._check_module_device()
-        call = _Call()
-        _set(self, "_call", call)
+        _set(self, "_forward_state", state)
         try:
             args, kwargs_list = self.scatter(inputs, kwargs, self.device_ids)
-            scattered = time.perf_counter()
-            slots = call.slots if call.slots is not None and len(call.slots) == len(args) else (
-                self._slots_of(args, kwargs_list))
-            devices = [self.devices[s] for s in slots]
-            _set(self, "_step", self._step + 1)
-            probes = call.probes = (
-                [ReplicaProbe(i, d, device_name(d), self.dim) for i, d in enumerate(devices)]
-                if self.recording else None
-            )
-            pending = _PendingStep(self, self._step, probes) if probes is not None else None
-            if pending is not None:
-                pending.split, pending.slots = self._split, slots
-
+            state.mark()  # scattered
+            slots = self._start_step(state, args, kwargs_list)
             if len(self.devices) == 1:
                 # torch's shortcut: one device runs the module itself, on the caller's thread.
-                replicated = time.perf_counter()
-                outputs = [self._run_replica(0, self.module, args[0], kwargs_list[0], probes)]
-                call.measured = True
-                applied = time.perf_counter()
+                state.mark()  # nothing to replicate
+                outputs = [self._run_alone(state, args[0], kwargs_list[0])]
+                state.mark()  # applied
                 output = outputs[0]
             else:
                 replicas = self.replicate(self.module, [self.device_ids[s] for s in slots])
-                replicated = time.perf_counter()
+                state.mark()  # replicated
                 outputs = self.parallel_apply(replicas, args, kwargs_list)
-                applied = time.perf_counter()
+                state.mark()  # applied
                 output = self.gather(outputs, self.output_device)
-            finished = time.perf_counter()
+            state.mark()  # gathered
         finally:
-            _set(self, "_call", None)
-
-        if pending is not None:
-            replica_done = pending.countdown.replica_done
-            # A node made in the caller ranks anywhere among the replicas' nodes (autograd's CPU
-            # order is by per-thread sequence number), so it may run after other replicas'
-            # backward: then the replica's backward is timed by a walk of its graph instead.
-            in_workers = call.binders is not None and len(call.share_nodes) == len(probes)
-            nodes = call.share_nodes if in_workers else [None] * len(probes)
-            for probe, a, kw, out, node in zip(probes, args, kwargs_list, outputs, nodes):
-                probe.describe(a, kw, out, replica_done, node)
-                if not call.measured:
-                    # A parallel_apply override ran the replicas: each ran within its span.
-                    probe.untimed(applied - replicated)
-            self._saved_bytes.store(probes)
-            input_shapes = shapes_of((inputs, kwargs))
-            pending.set_forward(
-                batch_size=input_shapes[0][self.dim] if input_shapes and input_shapes[0] else 0,
-                input_shapes=input_shapes,
-                output_shapes=shapes_of(output),
-                times=(scattered - started, replicated - scattered, applied - replicated,
-                       finished - applied, finished - started),
-            )
-            self._begin(pending)
+            _set(self, "_forward_state", None)
+        if state.pending is not None:
+            self._record_forward(state, (inputs, kwargs), args, kwargs_list, outputs, output)
         return output
 
     def scatter(self, inputs: tuple, kwargs: dict[str, Any] | None,
@@ -202,9 +196,9 @@ class DataParallel(nn.Module):
             devices = [parse_device(d) for d in device_ids]
             split, slots_of = Split(len(devices)), [self.devices.index(d) for d in devices]
         args, kwargs_list, slots = scatter_kwargs(inputs, kwargs, devices, split, self.dim)
-        call = self._call
-        if call is not None:
-            call.slots = slots if slots_of is None else [slots_of[s] for s in slots]
+        state = self._forward_state
+        if state is not None:
+            state.slots = slots if slots_of is None else [slots_of[s] for s in slots]
         return args, kwargs_list
 
     def replicate(self, module: nn.Module, device_ids: Sequence[DeviceLike]) -> list[nn.Module]:
@@ -217,8 +211,8 @@ class DataParallel(nn.Module):
         if plan is None or not plan.current():
             plan = ReplicationPlan(module)
             _set(self, "_plan", plan)
-        call = self._call
-        if call is None:
+        state = self._forward_state
+        if state is None:
             return replicate_shared(module, len(device_ids), plan)
         if type(self).parallel_apply is DataParallel.parallel_apply and plan.has_big:
             # The views are made in each replica's worker, right before its forward (see _bind);
@@ -228,33 +222,33 @@ class DataParallel(nn.Module):
             # among the replicas' threads (seed, 4 devices, quiet: a forward 410 -> 574 us).
             binders: list[Any] = []
             replicas = replicate_shared(module, len(device_ids), plan, binders=binders)
-            call.binders = {id(r): b for r, b in zip(replicas, binders) if b is not None}
+            state.binders = {id(r): b for r, b in zip(replicas, binders) if b is not None}
             return replicas
-        return replicate_shared(module, len(device_ids), plan, nodes=call.share_nodes)
+        return replicate_shared(module, len(device_ids), plan, nodes=state.share_nodes)
 
     def parallel_apply(self, replicas: Sequence[nn.Module], inputs: Sequence[Any],
                        kwargs: Sequence[dict[str, Any]] | None) -> list[Any]:
         """Run replica i on inputs[i] and kwargs[i] in its device's persistent worker."""
-        call = self._call
-        slots = call.slots if call is not None and call.slots is not None else range(len(replicas))
-        probes = call.probes if call is not None else None
+        state = self._forward_state
+        slots = state.slots if state is not None and state.slots is not None else range(len(replicas))
+        probes = state.probes if state is not None else None
         if probes is not None and len(probes) != len(replicas):
             probes = None
         if kwargs is None:
             kwargs = [{}] * len(replicas)
         inputs = [a if isinstance(a, (list, tuple)) else (a,) for a in inputs]
         binders = None
-        if call is not None and call.binders:
-            binders = [call.binders.pop(id(r), None) for r in replicas]
-            call.share_nodes = [None] * len(replicas)
+        if state is not None and state.binders:
+            binders = [state.binders.pop(id(r), None) for r in replicas]
+            state.share_nodes = [None] * len(replicas)
         outputs = self._parallel_apply(replicas, inputs, kwargs, list(slots), probes, binders)
-        if call is not None and probes is not None:
-            call.measured = True
+        if state is not None and probes is not None:
+            state.measured = True
         return outputs
 
     def gather(self, outputs: Sequence[Any], output_device: DeviceLike) -> Any:
         """Concatenate the replicas' outputs on output_device, keeping their structure."""
-        return gather(outputs, _parse_output_device(output_device), self.dim)
+        return gather(outputs, parse_output_device(output_device), self.dim)
 
     def _slots_of(self, args: Sequence[Any], kwargs_list: Sequence[Any]) -> list[int]:
         """Device slots of inputs a scatter override made: where their tensors are (CUDA), else in order."""
@@ -268,6 +262,52 @@ class DataParallel(nn.Module):
             return slots
         return list(range(len(args)))
 
+    def _start_step(self, state: _ForwardState, args: Sequence[Any], kwargs_list: Sequence[Any]) -> list[int]:
+        """Number the step; each replica's device slot; when recording, its probes and pending record."""
+        slots = state.slots if state.slots is not None and len(state.slots) == len(args) else (
+            self._slots_of(args, kwargs_list))
+        _set(self, "_step", self._step + 1)
+        if self.recording:
+            probes = state.probes = [
+                ReplicaProbe(i, self.devices[s], device_name(self.devices[s]), self.dim) for i, s in enumerate(slots)
+            ]
+            pending = state.pending = _PendingStep(self, self._step, probes)
+            pending.split, pending.slots = self._split, slots
+        return slots
+
+    def _run_alone(self, state: _ForwardState, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """The module itself on the one device, measured by replica 0's probe when recording."""
+        state.measured = True
+        if state.probes is None:
+            return self.module(*args, **kwargs)
+        return state.probes[0].measure(self.module, args, kwargs)
+
+    def _record_forward(self, state: _ForwardState, inputs: Any, args, kwargs_list, outputs, output) -> None:
+        """The forward's half of the step record (what each replica got and gave, the four spans)."""
+        pending, probes = state.pending, state.probes
+        started, scattered, replicated, applied, finished = state.times
+        replica_done = pending.countdown.replica_done
+        # A node made in the caller ranks anywhere among the replicas' nodes (autograd's CPU
+        # order is by per-thread sequence number), so it may run after other replicas'
+        # backward: then the replica's backward is timed by a walk of its graph instead.
+        in_workers = state.binders is not None and len(state.share_nodes) == len(probes)
+        nodes = state.share_nodes if in_workers else [None] * len(probes)
+        for probe, a, kw, out, node in zip(probes, args, kwargs_list, outputs, nodes):
+            probe.describe(a, kw, out, replica_done, node)
+            if not state.measured:
+                # A parallel_apply override ran the replicas: each ran within its span.
+                probe.untimed(applied - replicated)
+        self._saved_bytes.store(probes)
+        input_shapes = shapes_of(inputs)
+        pending.set_forward(
+            batch_size=input_shapes[0][self.dim] if input_shapes and input_shapes[0] else 0,
+            input_shapes=input_shapes,
+            output_shapes=shapes_of(output),
+            times=(scattered - started, replicated - scattered, applied - replicated,
+                   finished - applied, finished - started),
+        )
+        self._begin(pending)
+
     def _parallel_apply(self, replicas, args, kwargs_list, slots, probes, binders=None) -> list[Any]:
         if self._pool is None:
             self._pool = WorkerPool(self.devices)
@@ -276,7 +316,7 @@ class DataParallel(nn.Module):
         if probes is not None and self.src_device_obj.type != "cuda":
             self._saved_bytes.lookup(probes, args, kwargs_list,
                                      (state, structure_generation(), self.module.training))
-        nodes = self._call.share_nodes if binders is not None else None
+        nodes = self._forward_state.share_nodes if binders is not None else None
         jobs = []
         for i, (slot, replica, a, kw) in enumerate(zip(slots, replicas, args, kwargs_list)):
             device = self.devices[slot]
@@ -292,12 +332,6 @@ class DataParallel(nn.Module):
             if isinstance(result, ExceptionWrapper):
                 reraise(result, index, device_name(self.devices[slots[index]]))
         return results
-
-    @staticmethod
-    def _run_replica(index, replica, args, kwargs, probes) -> Any:
-        if probes is None:
-            return replica(*args, **kwargs)
-        return probes[index].measure(replica, args, kwargs)
 
     def _check_module_device(self) -> None:
         """torch's check that the module is on device_ids[0], without walking the module tree."""
@@ -367,18 +401,24 @@ class DataParallel(nn.Module):
         return f"devices={[device_name(d) for d in self.devices]}, dim={self.dim}"
 
 
-class _Call:
-    """What the step methods of one forward tell each other (an override may skip any of them)."""
+class _ForwardState:
+    """What the step methods of one forward tell each other (an override may skip any of them),
+    and when each of them ended."""
 
-    __slots__ = ("slots", "probes", "measured", "share_nodes", "binders")
+    __slots__ = ("slots", "probes", "pending", "measured", "share_nodes", "binders", "times")
 
-    def __init__(self) -> None:
+    def __init__(self, started: float) -> None:
         # id(replica) -> the function that makes its parameter views, run in its worker
         self.binders: dict[int, Any] | None = None
         self.share_nodes: list[Any] = []  # each replica's SharedParameters node, from replicate
         self.slots: list[int] | None = None  # device slot of each replica, set by scatter
-        self.probes: list[ReplicaProbe] | None = None
+        self.probes: list[ReplicaProbe] | None = None  # recording: one per replica
+        self.pending: _PendingStep | None = None  # recording: the step's record, waiting for backward
         self.measured = False  # the replicas ran through the probes
+        self.times = [started]  # started, scattered, replicated, applied, gathered
+
+    def mark(self) -> None:
+        self.times.append(time.perf_counter())
 
 
 class _PendingStep:
@@ -438,25 +478,24 @@ def _notify_backward_done(owner_ref: weakref.ref, pending_ref: weakref.ref) -> N
         owner._on_backward_done(pending)
 
 
-def _parse_output_device(spec: DeviceLike) -> torch.device:
-    if isinstance(spec, torch.device):
-        return spec
-    if isinstance(spec, int) and spec == -1:
-        return torch.device("cpu")
-    if isinstance(spec, str) and spec == "cpu":
-        return torch.device("cpu")
-    return parse_device(spec)
+# "weighted" is what the weights were called before they were "weights" everywhere: still accepted.
+_BALANCE_KINDS = {"even": "even", "weights": "weights", "weighted": "weights", "auto": "auto"}
+
+
+def _balance_kind(balance: str) -> str:
+    if balance not in _BALANCE_KINDS:
+        raise ValueError(f"balance must be 'even', 'weights' or 'auto', not {balance!r}")
+    return _BALANCE_KINDS[balance]
 
 
 def _make_split(count: int, chunk_sizes, balance: str, weights) -> Split:
-    if balance not in ("even", "weighted", "auto"):
-        raise ValueError(f"balance must be 'even', 'weighted' or 'auto', not {balance!r}")
-    if balance == "auto" and (weights is not None or chunk_sizes is not None):
+    kind = _balance_kind(balance)
+    if kind == "auto" and (weights is not None or chunk_sizes is not None):
         raise ValueError("balance='auto' chooses the chunk sizes itself: give no weights or chunk_sizes")
-    if balance == "weighted" and weights is None:
-        raise ValueError("balance='weighted' needs weights: one number per device")
-    if balance == "even" and weights is not None:
-        raise ValueError("weights are used only with balance='weighted'")
+    if kind == "weights" and weights is None:
+        raise ValueError("balance='weights' needs weights: one number per device")
+    if kind == "even" and weights is not None:
+        raise ValueError("weights are used only with balance='weights'")
     return Split(count, chunk_sizes=chunk_sizes, weights=weights)
 
 

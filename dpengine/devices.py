@@ -70,6 +70,17 @@ def parse_device(spec: DeviceLike) -> torch.device:
     return device
 
 
+def parse_output_device(spec: DeviceLike) -> torch.device:
+    """Where gathered outputs go: a device as parse_device reads it, or -1 / "cpu" for the CPU (torch's)."""
+    if isinstance(spec, torch.device):
+        return spec
+    if isinstance(spec, int) and spec == -1:
+        return torch.device("cpu")
+    if isinstance(spec, str) and spec == "cpu":
+        return torch.device("cpu")
+    return parse_device(spec)
+
+
 def _check_index(spec: DeviceLike) -> None:
     """Refuse an index torch would wrap around, naming the limit."""
     if isinstance(spec, int):

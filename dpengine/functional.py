@@ -16,8 +16,7 @@ import torch
 from torch import nn
 from torch._utils import ExceptionWrapper
 
-from .data_parallel import _parse_output_device
-from .devices import DeviceLike, default_devices, device_name, parse_device
+from .devices import DeviceLike, default_devices, device_name, parse_device, parse_output_device
 from .instrument import tensors_of
 from .parallel_apply import ThreadState, WorkerPool, reraise, run_in_state
 from .replicate import replicate, replicate_shared
@@ -46,7 +45,7 @@ def scatter(inputs: Any, target_gpus: Sequence[DeviceLike], dim: int = 0) -> Any
 
 def gather(outputs: Sequence[Any], target_device: DeviceLike, dim: int = 0) -> Any:
     """Concatenate per-device outputs on `target_device` (-1 or "cpu" for the CPU), keeping structure."""
-    return _gather(outputs, _parse_output_device(target_device), dim)
+    return _gather(outputs, parse_output_device(target_device), dim)
 
 
 def parallel_apply(
@@ -128,7 +127,7 @@ def data_parallel(
                 f"module must have its parameters and buffers on device {device_name(src)} "
                 f"(device_ids[0]) but found one of them on device: {tensor.device}"
             )
-    target = devices[0] if output_device is None else _parse_output_device(output_device)
+    target = devices[0] if output_device is None else parse_output_device(output_device)
     args, kwargs_list, slots = scatter_kwargs(inputs, module_kwargs, devices, Split(len(devices)), dim)
     if len(devices) == 1:
         return module(*args[0], **kwargs_list[0])

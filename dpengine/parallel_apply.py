@@ -64,8 +64,8 @@ def replica_failure(error: BaseException) -> ReplicaFailure | None:
     return getattr(error, "replica_failure", None)
 
 
-class _Call:
-    """One parallel_apply call: results by replica index, and a countdown to done."""
+class _Results:
+    """One WorkerPool.run: results by replica index, and a countdown to the last."""
 
     def __init__(self, count: int) -> None:
         self.results: list[Any] = [None] * count
@@ -215,11 +215,11 @@ class WorkerPool:
         """Run each (device slot, job) on that slot's worker; results (or ExceptionWrappers) in job order."""
         if self._closed:
             raise RuntimeError("this DataParallel's workers were closed")
-        call = _Call(len(jobs))
+        results = _Results(len(jobs))
         for index, (slot, job) in enumerate(jobs):
-            self._workers[slot].give(_make_task(call, index, job, self.devices[slot]))
-        call.wait()
-        return call.results
+            self._workers[slot].give(_make_task(results, index, job, self.devices[slot]))
+        results.wait()
+        return results.results
 
     def close(self) -> None:
         if self._closed:
@@ -235,13 +235,13 @@ class WorkerPool:
                 worker.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
-def _make_task(call: _Call, index: int, job: Callable[[], Any], device: torch.device):
+def _make_task(results: _Results, index: int, job: Callable[[], Any], device: torch.device):
     def task() -> None:
         try:
             result = job()
         except BaseException:  # noqa: BLE001 - a worker must survive anything a replica raises
             result = ExceptionWrapper(where=f"in replica {index} on device {device_name(device)}")
-        call.finish(index, result)
+        results.finish(index, result)
 
     return task
 

@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from dpengine.eventlog.events import StepFinished  # noqa: E402
+from dpengine.run.options import RunOptions  # noqa: E402
 from dpengine.run.trainer import Trainer  # noqa: E402
 from dpengine.run.workloads import builtin_workload  # noqa: E402
 from tui.app import DptuiApp  # noqa: E402
@@ -29,7 +30,8 @@ SIZE = (120, 40)
 
 
 def make_trainer() -> Trainer:
-    trainer = Trainer(builtin_workload("seed", seed=0), ["cpu:0", "cpu:1", "cpu:2"], batch_size=30, epochs=None, seed=0)
+    options = RunOptions(batch_size=30, epochs=None, seed=0)
+    trainer = Trainer(builtin_workload("seed", seed=0), ["cpu:0", "cpu:1", "cpu:2"], options)
 
     def pace_then_pause(event) -> None:
         if isinstance(event, StepFinished):

@@ -23,7 +23,8 @@ from torch.utils.data import TensorDataset
 from pilot import active_chunks, holds, log_text, press, quit_app, status, until
 from ui_fakes import FixedTelemetry, ScriptedTrainer, demo_events, factory_of, gpu_sample, step_event
 
-from dpengine.eventlog.events import ConfigChanged, RunFailed, StateChanged, StepFinished
+from dpengine.eventlog.events import ConfigChanged, RunFailed, SplitChanged, StateChanged, StepFinished
+from dpengine.run.options import RunOptions
 from dpengine.run.trainer import Trainer
 from dpengine.run.workloads import Workload, builtin_workload
 from tui.app import DptuiApp
@@ -86,29 +87,50 @@ def test_feeding_is_cheap():
 
 def test_a_change_is_pending_until_its_step_boundary():
     view = started_view()
-    view.request(batch_size=60)
-    view.request(devices=("cpu:0", "cpu:1"))
+    view.request(1, batch_size=60)
+    view.request(2, devices=("cpu:0", "cpu:1"))
     snap = view.snapshot()
     assert snap.state == "pending"
     assert snap.pending == "batch 60, -cpu:2"
     assert [p.pending for p in snap.panels] == ["", "", "leaving"]
-    view.feed(ConfigChanged(60, ("cpu:0", "cpu:1"), step=5))
+    view.feed(ConfigChanged(60, ("cpu:0", "cpu:1"), step=5, request=2))
     snap = view.snapshot()
     assert (snap.state, snap.pending, snap.batch_size) == ("running", "", 60)
     assert [p.active for p in snap.panels] == [True, True, False]
 
 
+def test_an_event_answers_requests_by_number_not_by_value():
+    view = started_view()
+    for number, batch in enumerate((60, 120, 60), start=1):
+        view.request(number, batch_size=batch)
+    view.feed(ConfigChanged(60, DEVICES, step=5, request=1))  # answers the first; the third waits
+    assert view.snapshot().pending == "batch 60"
+    view.feed(SplitChanged(6, "auto", (0.5, 0.3, 0.2), by_balancer=True))  # asked by nobody
+    view.feed(ConfigChanged(60, DEVICES, step=6, request=3))
+    assert view.snapshot().pending == ""
+
+
+def test_an_event_that_came_before_its_request_was_noted_leaves_nothing_pending():
+    view = started_view()
+    view.feed(StateChanged("paused", request=4))  # the run paused before the UI noted its pause()
+    view.request(4, state="paused")
+    view.request(3, batch_size=60)  # older than what the paused event answered, but another kind
+    assert view.snapshot().pending == "batch 60"
+    view.feed(ConfigChanged(60, DEVICES, step=5, request=3))
+    assert (view.snapshot().state, view.snapshot().pending) == ("paused", "")
+
+
 def test_asking_for_what_is_already_in_force_is_not_pending():
     view = started_view()
-    view.request(batch_size=30, devices=DEVICES, state="running")
+    view.request(1, batch_size=30, devices=DEVICES, state="running")
     assert view.snapshot().pending == ""
 
 
 def test_a_pause_is_pending_until_the_trainer_pauses():
     view = started_view()
-    view.request(state="paused")
+    view.request(1, state="paused")
     assert (view.snapshot().state, view.target_paused()) == ("pending", True)
-    view.feed(StateChanged("paused"))
+    view.feed(StateChanged("paused", request=1))
     assert view.snapshot().state == "paused"
 
 
@@ -124,7 +146,7 @@ def test_timings_are_smoothed():
 
 def test_a_failure_is_an_error_notice_and_a_log_line_naming_the_replica():
     view = started_view()
-    view.request(batch_size=60)
+    view.request(1, batch_size=60)
     view.feed(RunFailed("ValueError: bad input", "ValueError", replica=1, device="cpu:1", traceback="Traceback..."))
     snap = view.snapshot()
     assert snap.state == "failed" and snap.pending == ""
@@ -203,8 +225,9 @@ def real_factory(*, epochs: int | None = None, workload: Callable[[], Workload] 
 
     def make() -> Trainer:
         trainer = Trainer(
-            workload() if workload else builtin_workload("seed", seed=0), DEVICES, available=DEVICES, batch_size=30,
-            epochs=epochs, seed=0, telemetry=FixedTelemetry(DEVICES), telemetry_interval=0.2,
+            workload() if workload else builtin_workload("seed", seed=0), DEVICES,
+            RunOptions(batch_size=30, epochs=epochs, seed=0, telemetry_interval=0.2),
+            available=DEVICES, telemetry=FixedTelemetry(DEVICES),
         )
         trainer.subscribe(pace(0.01))
         built.append(trainer)

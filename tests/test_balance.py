@@ -169,11 +169,33 @@ def test_data_parallel_balances_a_slow_device_and_records_it():
 
 def test_setting_a_split_by_hand_ends_auto_balance():
     dp = DataParallel(torch.nn.Linear(5, 2), DEVICES, balance="auto")
-    dp.set_split(balance="weighted", weights=[2, 1, 1])
+    dp.set_split(balance="weights", weights=[2, 1, 1])
     assert not dp.balancing
     dp(torch.randn(8, 5))
     record = dp.last_step
     assert (record.split, record.chunk_sizes, record.balanced) == ("weights", (4, 2, 2), False)
+    dp.close()
+
+
+def test_set_devices_gives_auto_balance_a_balancer_for_the_new_devices():
+    # Issue 18 point 10: three devices to two left the balancer sized for three, and the next
+    # step raised "one chunk size and one time per device (3) expected".
+    torch.manual_seed(0)
+    dp = DataParallel(SlowOnDevice({"cpu:1": 1.0}, base_ms_per_row=0.5), DEVICES, balance="auto")
+    x = torch.randn(30, 5)
+    for _ in range(6):
+        dp(x).sum().backward()
+    dp.set_devices(["cpu:0", "cpu:1"])
+    assert dp.balancing
+    records = []
+    dp.subscribe(records.append)
+    for _ in range(12):
+        dp(x).sum().backward()
+    first, last = records[0], records[-1]
+    assert first.devices == ("cpu:0", "cpu:1") and first.chunk_sizes == (15, 15) and first.split == "even"
+    # cpu:1 is 3x slower per row: the fresh balancer gives it fewer rows than cpu:0.
+    assert last.split == "auto" and last.balanced and last.chunk_sizes[1] < last.chunk_sizes[0]
+    assert sum(last.chunk_sizes) == 30 and len(last.split_weights) == 2
     dp.close()
 
 

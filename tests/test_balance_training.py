@@ -9,6 +9,7 @@ import pytest
 from fixtures.slow_device import slow_device_workload
 
 from dpengine.eventlog.events import SplitChanged, StepFinished, to_json_dict
+from dpengine.run.options import RunOptions
 from dpengine.run.trainer import Trainer
 from dpengine.run.workloads import builtin_workload
 from tui.cli import EXIT_OK, EXIT_USAGE, main
@@ -31,13 +32,15 @@ def run(trainer: Trainer, on_step=None) -> list:
 
 
 def test_auto_balance_moves_rows_off_the_slow_device_and_says_so():
-    trainer = Trainer(slow_device_workload(0), THREE, seed=1, epochs=2, telemetry_interval=None, balance="auto")
+    trainer = Trainer(slow_device_workload(0), THREE,
+                      RunOptions(seed=1, epochs=2, telemetry_interval=None, balance="auto"))
     events = run(trainer)
     steps = [e for e in events if isinstance(e, StepFinished)]
     changes = [e for e in events if isinstance(e, SplitChanged)]
     assert changes[0] == SplitChanged(1, "auto", ())
     by_balancer = [c for c in changes if c.by_balancer]
     assert by_balancer, changes
+    assert all(c.request is None for c in changes)  # --balance and the balancer: nobody pressed a key
     # cpu:2 is twice as slow per row: it ends with fewer rows than either other device.
     last = steps[-2].record  # the last step is the epoch's (here full) batch too; any full one will do
     assert last.balanced and last.chunk_sizes[2] < min(last.chunk_sizes[:2])
@@ -48,13 +51,15 @@ def test_auto_balance_moves_rows_off_the_slow_device_and_says_so():
 
 
 def test_set_balance_applies_at_the_next_step_and_weights_must_fit():
-    trainer = Trainer(builtin_workload("seed", 3), THREE, seed=3, telemetry_interval=None)
+    trainer = Trainer(builtin_workload("seed", 3), THREE, RunOptions(seed=3, telemetry_interval=None))
     with pytest.raises(ValueError, match="one per device"):
         trainer.set_balance((1.0, 2.0))
 
+    asked = []
+
     def on_step(event: StepFinished) -> None:
         if event.step == 1:
-            trainer.set_balance((2.0, 1.0, 1.0))
+            asked.append(trainer.set_balance((2.0, 1.0, 1.0)))
             assert trainer.has_pending_change
 
     events = run(trainer, on_step)
@@ -63,12 +68,14 @@ def test_set_balance_applies_at_the_next_step_and_weights_must_fit():
     assert steps[1].record.chunk_sizes == (15, 8, 7) and steps[1].record.split == "weights"
     (change,) = [e for e in events if isinstance(e, SplitChanged)]
     assert change.step == 2 and change.balance == "weights" and change.weights == pytest.approx((0.5, 0.25, 0.25))
+    assert change.request == asked[0]
     assert trainer.balance == (2.0, 1.0, 1.0)
 
 
 def test_the_loss_curve_does_not_depend_on_the_split():
     def losses(balance) -> list[float]:
-        trainer = Trainer(builtin_workload("mlp", 4), THREE, seed=4, telemetry_interval=None, balance=balance)
+        trainer = Trainer(builtin_workload("mlp", 4), THREE,
+                          RunOptions(seed=4, telemetry_interval=None, balance=balance))
         return [e.loss for e in run(trainer) if isinstance(e, StepFinished)]
 
     even = losses("even")
@@ -105,8 +112,8 @@ def test_cli_bad_balance_is_one_line_and_exit_2(capsys, value, fragment):
 def _ddp_run(balance, model: str = SLOW, epochs: int = 2) -> list:
     from dpengine.distributed import DdpTrainer, WorkloadSpec
 
-    trainer = DdpTrainer(WorkloadSpec(model, seed=1), THREE, seed=1, epochs=epochs,
-                         telemetry_interval=None, balance=balance)
+    trainer = DdpTrainer(WorkloadSpec(model, seed=1), THREE,
+                         RunOptions(seed=1, epochs=epochs, telemetry_interval=None, balance=balance))
     events = run(trainer)
     assert not [e for e in events if type(e).__name__ == "RunFailed"], events[-1]
     return events
@@ -114,8 +121,8 @@ def _ddp_run(balance, model: str = SLOW, epochs: int = 2) -> list:
 
 def test_ddp_weights_cut_as_the_threaded_backend_and_train_alike():
     ddp = _ddp_run((2.0, 1.0, 1.0), model="seed", epochs=1)
-    threaded = run(Trainer(builtin_workload("seed", 1), THREE, seed=1, telemetry_interval=None,
-                           balance=(2.0, 1.0, 1.0)))
+    threaded = run(Trainer(builtin_workload("seed", 1), THREE,
+                           RunOptions(seed=1, telemetry_interval=None, balance=(2.0, 1.0, 1.0))))
     ddp_steps = [e for e in ddp if isinstance(e, StepFinished)]
     dp_steps = [e for e in threaded if isinstance(e, StepFinished)]
     assert [s.record.chunk_sizes for s in ddp_steps] == [s.record.chunk_sizes for s in dp_steps]
@@ -134,7 +141,7 @@ def test_ddp_auto_balance_gives_every_rank_the_same_split_and_the_same_loss_curv
     assert last.chunk_sizes[2] < min(last.chunk_sizes[:2])
     # The ranks agreed on every split (a disagreement would have failed the run or lost rows),
     # and the loss curve is the threaded even split's: the split never changes the gradients.
-    even = run(Trainer(slow_device_workload(1), THREE, seed=1, epochs=2, telemetry_interval=None))
+    even = run(Trainer(slow_device_workload(1), THREE, RunOptions(seed=1, epochs=2, telemetry_interval=None)))
     assert [s.loss for s in steps] == pytest.approx(
         [e.loss for e in even if isinstance(e, StepFinished)], abs=1e-5)
 
@@ -142,25 +149,28 @@ def test_ddp_auto_balance_gives_every_rank_the_same_split_and_the_same_loss_curv
 def test_ddp_set_balance_applies_at_the_next_step_on_every_rank():
     from dpengine.distributed import DdpTrainer, WorkloadSpec
 
-    trainer = DdpTrainer(WorkloadSpec("seed", seed=3), THREE, seed=3, epochs=1, telemetry_interval=None)
+    trainer = DdpTrainer(WorkloadSpec("seed", seed=3), THREE, RunOptions(seed=3, epochs=1, telemetry_interval=None))
     with pytest.raises(ValueError, match="one per device"):
         trainer.set_balance((1.0, 2.0))
 
+    asked = []
+
     def on_step(event: StepFinished) -> None:
         if event.step == 1:
-            trainer.set_balance((2.0, 1.0, 1.0))
+            asked.append(trainer.set_balance((2.0, 1.0, 1.0)))
 
     events = run(trainer, on_step)
     steps = [e for e in events if isinstance(e, StepFinished)]
     assert [s.record.chunk_sizes for s in steps[:2]] == [(10, 10, 10), (15, 8, 7)]
     (change,) = [e for e in events if isinstance(e, SplitChanged)]
-    assert (change.step, change.balance) == (2, "weights")
+    assert (change.step, change.balance, change.request) == (2, "weights", asked[0])
     # The host keeps what rank 0 applied: the same weights, as shares of the batch.
     assert trainer.balance == pytest.approx((0.5, 0.25, 0.25)) and not trainer.has_pending_change
 
 
 def test_weights_asked_with_a_device_change_of_another_count_fall_back_to_even():
-    trainer = Trainer(builtin_workload("seed", 3), THREE, seed=3, telemetry_interval=None, balance=(3.0, 2.0, 1.0))
+    trainer = Trainer(builtin_workload("seed", 3), THREE,
+                      RunOptions(seed=3, telemetry_interval=None, balance=(3.0, 2.0, 1.0)))
 
     def on_step(event: StepFinished) -> None:
         if event.step == 1:

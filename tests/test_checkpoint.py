@@ -10,6 +10,7 @@ import torch
 
 import dpengine.run.checkpoint as checkpoint_module
 from dpengine.run.checkpoint import CheckpointError, check_fits, read_checkpoint, save_checkpoint
+from dpengine.run.options import RunOptions
 from dpengine.run.pending import PendingChanges
 from dpengine.run.run_state import RunState
 from dpengine.run.trainer import Trainer
@@ -17,12 +18,12 @@ from dpengine.run.workloads import builtin_workload
 from tui.cli import main
 
 
-def momentum_trainer(**kwargs) -> Trainer:
+def momentum_trainer(**options) -> Trainer:
     # SGD with momentum: optimizer state that training changes in place.
     workload = dataclasses.replace(
         builtin_workload("seed", 3), optimizer_factory=lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9)
     )
-    return Trainer(workload, ["cpu:0", "cpu:1"], seed=3, telemetry_interval=None, **kwargs)
+    return Trainer(workload, ["cpu:0", "cpu:1"], RunOptions(seed=3, telemetry_interval=None, **options))
 
 
 def test_a_file_that_is_not_a_dptui_checkpoint_is_one_line_naming_it(tmp_path: Path) -> None:

@@ -396,7 +396,7 @@ def test_replica_error_is_reraised_with_replica_and_device(make_dp, error) -> No
 def test_replica_failure_names_the_device_that_ran_it(make_dp) -> None:
     # With a zero weight, replica 1 runs on cpu:2: index and device are reported separately.
     module = FailsOnSentinel(ValueError)
-    dp = make_dp(module, cpus(3), balance="weighted", weights=[1, 0, 1])
+    dp = make_dp(module, cpus(3), balance="weights", weights=[1, 0, 1])
     x = torch.randn(8, 3)
     x[4, 0] = FailsOnSentinel.SENTINEL
     with pytest.raises(ValueError, match="in replica 1 on device cpu:2") as info:

@@ -23,6 +23,7 @@ from fixtures.ddp_workloads import SLOW_STEP_S
 
 from dpengine.distributed import DdpTrainer, WorkloadSpec
 from dpengine.distributed.channel import is_comm_error
+from dpengine.distributed.host_inbox import LIVENESS_S
 from dpengine.distributed.torchrun import torchrun_env
 from dpengine.eventlog.events import (
     ConfigChanged,
@@ -32,6 +33,7 @@ from dpengine.eventlog.events import (
     StepFinished,
 )
 from dpengine.eventlog.writer import JsonLinesWriter
+from dpengine.run.options import RunOptions
 from dpengine.run.trainer import Trainer
 from dpengine.run.workloads import load_workload
 
@@ -45,16 +47,19 @@ def _children() -> set[int]:
     return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
-def _ddp(model: str = "seed", devices=("cpu:0", "cpu:1"), **kwargs) -> DdpTrainer:
-    kwargs.setdefault("seed", SEED)
-    kwargs.setdefault("telemetry_interval", None)
-    return DdpTrainer(WorkloadSpec(model, seed=kwargs["seed"]), list(devices), **kwargs)
+def _ddp(model: str = "seed", devices=("cpu:0", "cpu:1"), *, available=None, step_timeout: float | None = None,
+         liveness_timeout: float = LIVENESS_S, **options) -> DdpTrainer:
+    """A DdpTrainer with RunOptions(**options), seeded with SEED and without telemetry unless told."""
+    options.setdefault("seed", SEED)
+    options.setdefault("telemetry_interval", None)
+    return DdpTrainer(WorkloadSpec(model, seed=options["seed"]), list(devices), RunOptions(**options),
+                      available=available, step_timeout=step_timeout, liveness_timeout=liveness_timeout)
 
 
 def _threaded(devices, epochs: int, setup=None, **kwargs) -> tuple[RunFinished | RunFailed, list]:
     """The threaded backend on the same workload and seed; `setup(trainer)` may subscribe steering."""
-    trainer = Trainer(load_workload("seed", seed=SEED), list(devices), seed=SEED, epochs=epochs,
-                      telemetry_interval=None, **kwargs)
+    options = RunOptions(seed=SEED, epochs=epochs, telemetry_interval=None, **kwargs)
+    trainer = Trainer(load_workload("seed", seed=SEED), list(devices), options)
     events: list = []
     trainer.subscribe(events.append)
     if setup is not None:
@@ -191,20 +196,22 @@ def test_a_rank_that_hangs_is_named_once_the_others_time_out():
 # -- steering -------------------------------------------------------------------------------------
 
 
-def _pause_then_grow(trainer, seen: list) -> None:
+def _pause_then_grow(trainer, seen: list, numbers: dict | None = None) -> None:
     """Steer as a user would: pause after step 2, ask for batch 4 on three devices, resume.
 
     With batch 4 on three devices rank/replica 2 gets no chunk (torch.chunk cuts 4 into 2 + 2).
+    `numbers` gets each request's number.
     """
+    numbers = {} if numbers is None else numbers
 
     def steer(event) -> None:
         if isinstance(event, StepFinished) and event.step == 2:
-            trainer.pause()
+            numbers["pause"] = trainer.pause()
         elif isinstance(event, StateChanged) and event.state == "paused":
-            trainer.set_batch_size(4)
-            trainer.set_devices(["cpu:0", "cpu:1", "cpu:2"])
+            numbers["batch"] = trainer.set_batch_size(4)
+            numbers["devices"] = trainer.set_devices(["cpu:0", "cpu:1", "cpu:2"])
             seen.append(trainer.has_pending_change)
-            trainer.resume()
+            numbers["resume"] = trainer.resume()
 
     trainer.subscribe(steer)
 
@@ -213,8 +220,9 @@ def test_batch_and_device_changes_match_the_threaded_backend():
     trainer = _ddp(devices=("cpu:0", "cpu:1"), epochs=2)
     events: list = []
     pending_seen: list = []
+    numbers: dict = {}
     trainer.subscribe(events.append)
-    _pause_then_grow(trainer, pending_seen)
+    _pause_then_grow(trainer, pending_seen, numbers)
     before = _children()
     result = trainer.run()
     assert isinstance(result, RunFinished), result
@@ -223,7 +231,10 @@ def test_batch_and_device_changes_match_the_threaded_backend():
     changes = [(c.batch_size, c.devices, c.step) for c in events if isinstance(c, ConfigChanged)]
     # Asked for while step 2 was published: applied at step 3, as the threaded Trainer does.
     assert changes == [(4, ("cpu:0", "cpu:1", "cpu:2"), 3)]
-    assert [e.state for e in events if isinstance(e, StateChanged)] == ["paused", "running"]
+    # Each event carries the number of the request it answers; the restart's, the newer of two.
+    assert [c.request for c in events if isinstance(c, ConfigChanged)] == [numbers["devices"]]
+    states = [(e.state, e.request) for e in events if isinstance(e, StateChanged)]
+    assert states == [("paused", numbers["pause"]), ("running", numbers["resume"])]
     assert _children() - before == set()
 
     expected, threaded_events = _threaded(("cpu:0", "cpu:1"), epochs=2,
@@ -333,8 +344,9 @@ def test_under_torchrun_rank_0_runs_the_host_and_others_follow(tmp_path):
     assert len(finished) == 2  # rank 0 ran twice; the other rank followed both runs
     steps = [line for line in lines if line["type"] == "step"]
     assert all([r["device"] for r in s["replicas"]] == ["cpu:0", "cpu:1"] for s in steps)
-    expected = Trainer(load_workload("seed", seed=5), ["cpu:0", "cpu:1"], seed=5, epochs=1,
-                       telemetry_interval=None).run()  # the fixture script's seed
+    # the fixture script's seed
+    expected = Trainer(load_workload("seed", seed=5), ["cpu:0", "cpu:1"],
+                       RunOptions(seed=5, epochs=1, telemetry_interval=None)).run()
     assert finished[0]["final_loss"] == pytest.approx(expected.final_loss, abs=TOLERANCE)
     assert finished[1]["final_loss"] == pytest.approx(expected.final_loss, abs=TOLERANCE)
 
@@ -347,8 +359,8 @@ def test_the_readmes_torchrun_command_runs_dptui_on_rank_0():
     done = subprocess.run(torchrun, capture_output=True, text=True, timeout=90,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert done.returncode == 0, done.stderr[-3000:]
-    expected = Trainer(load_workload("seed", seed=5), ["cpu:0", "cpu:1"], seed=5, epochs=1,
-                       telemetry_interval=None).run()
+    expected = Trainer(load_workload("seed", seed=5), ["cpu:0", "cpu:1"],
+                       RunOptions(seed=5, epochs=1, telemetry_interval=None)).run()
     assert f"final loss {expected.final_loss:.6f}" in done.stdout.splitlines()[-1]
 
 

@@ -14,6 +14,7 @@ from waiting import wait_for
 
 from dpengine.eventlog import reader as eventlog
 from dpengine.eventlog.events import (
+    LOG_FORMAT,
     ConfigChanged,
     RunConfig,
     RunFailed,
@@ -45,9 +46,9 @@ def every_kind_of_event() -> list:
     return [
         *demo_events(DEVICES, epochs=1),
         TelemetrySampled((gpu_sample("cuda:0", 0),)),
-        StateChanged("paused"),
-        ConfigChanged(60, ("cpu:0", "cpu:1"), step=5),
-        SplitChanged(5, "auto", (0.6, 0.4), by_balancer=True),
+        StateChanged("paused", request=3),
+        ConfigChanged(60, ("cpu:0", "cpu:1"), step=5, request=4),
+        SplitChanged(5, "auto", (0.6, 0.4), by_balancer=True),  # request None: the balancer's own
         balanced(step_event(5, 2, 1, 2, 60, ("cuda:0", "cuda:1"))),  # with CUDA peaks
         RunFinished(final_loss=0.25, epochs=2, steps=5, samples=160, seconds=1.5, stopped=True),
         RunFailed("ValueError: bad", "ValueError", replica=1, device="cpu:1", traceback="Traceback ..."),
@@ -73,6 +74,16 @@ def test_every_event_comes_back_equal_to_what_was_written(tmp_path):
     path = tmp_path / "run.jsonl"
     path.write_text(jsonl(events))
     assert read_event_log(path) == events
+
+
+def test_run_started_says_the_logs_format_and_a_log_from_before_it_is_format_1():
+    started = demo_events(DEVICES, epochs=0)[0]
+    data = to_json_dict(started)
+    assert data["format"] == LOG_FORMAT == 1
+    assert decode_event(data).format == LOG_FORMAT
+    del data["format"]  # as logs were written before it
+    assert decode_event(data) == started and decode_event(data).format == 1
+    assert to_json_dict(StateChanged("running"))["request"] is None  # null: nobody asked
 
 
 def test_a_log_longer_than_one_read_is_published_whole(tmp_path, monkeypatch):

@@ -312,7 +312,7 @@ def test_explicit_chunk_size_of_zero_idles_that_device(make_dp) -> None:
 @pytest.mark.parametrize(("rows", "weights"), [(30, [2, 1, 1]), (31, [1, 1, 1]), (11, [3, 2, 2, 1])])
 def test_weighted_balance(make_dp, rows: int, weights: list[float]) -> None:
     module = nn.Linear(3, 2)
-    dp = make_dp(module, cpus(len(weights)), balance="weighted", weights=weights)
+    dp = make_dp(module, cpus(len(weights)), balance="weights", weights=weights)
     x = torch.randn(rows, 3)
     out = dp(x)
     sizes = list(dp.last_step.chunk_sizes)
@@ -324,7 +324,7 @@ def test_weighted_balance(make_dp, rows: int, weights: list[float]) -> None:
 
 
 def test_weighted_30_over_2_1_1(make_dp) -> None:
-    dp = make_dp(nn.Linear(3, 2), cpus(3), balance="weighted", weights=[2, 1, 1])
+    dp = make_dp(nn.Linear(3, 2), cpus(3), balance="weights", weights=[2, 1, 1])
     dp(torch.randn(30, 3))
     sizes = dp.last_step.chunk_sizes
     assert sizes[0] == 15 and sorted(sizes[1:]) == [7, 8]
@@ -342,7 +342,7 @@ def test_zero_weight_device_idles(make_dp) -> None:
             return self.lin(x)
 
     module = Where()
-    dp = make_dp(module, cpus(3), balance="weighted", weights=[1, 0, 1])
+    dp = make_dp(module, cpus(3), balance="weights", weights=[1, 0, 1])
     x = torch.randn(10, 3)
     out = dp(x)
     torch.testing.assert_close(out, module.lin(x))
@@ -357,7 +357,7 @@ def test_zero_weight_device_idles(make_dp) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "devices"),
     [
-        (dict(balance="weighted", weights=[1, 0, 1]), ("cpu:0", "cpu:2")),
+        (dict(balance="weights", weights=[1, 0, 1]), ("cpu:0", "cpu:2")),
         (dict(chunk_sizes=[0, 0, 0]), ("cpu:0", "cpu:1", "cpu:2")),
         ({}, ("cpu:0", "cpu:1", "cpu:2")),
     ],
@@ -382,12 +382,35 @@ def test_set_split_changes_the_next_forward(make_dp) -> None:
     dp.set_split(chunk_sizes=[7, 3])
     dp(x)
     assert dp.last_step.chunk_sizes == (7, 3)
-    dp.set_split(balance="weighted", weights=[1, 4])
+    dp.set_split(balance="weights", weights=[1, 4])
     dp(x)
     assert dp.last_step.chunk_sizes == (2, 8)
     dp.set_split()
     dp(x)
     assert dp.last_step.chunk_sizes == (5, 5)
+
+
+def test_balance_weighted_is_still_read_as_weights(make_dp) -> None:
+    dp = make_dp(nn.Linear(3, 2), cpus(2), balance="weighted", weights=[1, 4])
+    dp(torch.randn(10, 3))
+    assert (dp.last_step.split, dp.last_step.chunk_sizes) == ("weights", (2, 8))
+
+
+def test_set_devices_moves_the_next_forward_and_keeps_what_fits(make_dp) -> None:
+    module = nn.Linear(3, 2)
+    dp = make_dp(module, cpus(3), balance="weights", weights=[1, 1, 2])
+    x = torch.randn(12, 3)
+    dp(x)
+    assert dp.last_step.chunk_sizes == (3, 3, 6)
+    dp.set_devices(["cpu:1", "cpu:2", "cpu:3"])  # three again: the weights still fit
+    torch.testing.assert_close(dp(x), module(x))
+    assert (dp.last_step.devices, dp.last_step.chunk_sizes) == (("cpu:1", "cpu:2", "cpu:3"), (3, 3, 6))
+    assert dp.output_device == torch.device("cpu", 1) and set(dp.worker_thread_ids()) == {"cpu:1", "cpu:2", "cpu:3"}
+    dp.set_devices(["cpu:0", "cpu:1"])  # two: three weights do not fit, so torch's even split
+    out = dp(x)
+    out.sum().backward()
+    assert (dp.last_step.devices, dp.last_step.chunk_sizes, dp.last_step.split) == (("cpu:0", "cpu:1"), (6, 6), "even")
+    assert out.shape == (12, 2) and module.weight.grad is not None
 
 
 def test_chunk_sizes_with_the_wrong_sum_raise(make_dp) -> None:
@@ -405,13 +428,13 @@ def test_chunk_sizes_with_the_wrong_sum_raise(make_dp) -> None:
         (dict(chunk_sizes=[10, 10]), "one non-negative size per device"),
         (dict(chunk_sizes=[10, 10, 5, 5]), "one non-negative size per device"),
         (dict(chunk_sizes=[20, -5, 15]), "one non-negative size per device"),
-        (dict(balance="weighted", weights=[1, 1]), "one non-negative weight per device"),
-        (dict(balance="weighted", weights=[1, -1, 1]), "one non-negative weight per device"),
-        (dict(balance="weighted", weights=[0, 0, 0]), "not all zero"),
-        (dict(balance="weighted"), "needs weights"),
-        (dict(weights=[1, 1, 1]), "only with balance='weighted'"),
+        (dict(balance="weights", weights=[1, 1]), "one non-negative weight per device"),
+        (dict(balance="weights", weights=[1, -1, 1]), "one non-negative weight per device"),
+        (dict(balance="weights", weights=[0, 0, 0]), "not all zero"),
+        (dict(balance="weights"), "needs weights"),
+        (dict(weights=[1, 1, 1]), "only with balance='weights'"),
         (dict(balance="fastest"), "balance must be"),
-        (dict(balance="weighted", weights=[1, 1, 1], chunk_sizes=[1, 1, 1]), "not both"),
+        (dict(balance="weights", weights=[1, 1, 1], chunk_sizes=[1, 1, 1]), "not both"),
     ],
 )
 def test_bad_splits_raise(kwargs: dict, match: str) -> None:

@@ -6,6 +6,7 @@ from ui_fakes import ScriptedTrainer, demo_events
 
 from dpengine import ControlUnsupported, Run
 from dpengine.distributed import DdpTrainer, WorkloadSpec
+from dpengine.run.options import RunOptions
 from dpengine.run.protocol import ALL_CONTROLS, BALANCE, BATCH_SIZE, DEVICES, PAUSE
 from dpengine.run.trainer import Trainer
 from dpengine.run.workloads import builtin_workload
@@ -14,8 +15,8 @@ from tui.state import RunView
 
 
 def test_both_trainers_are_runs_with_every_control():
-    threaded = Trainer(builtin_workload("seed", seed=0), ["cpu:0", "cpu:1"], seed=0)
-    ddp = DdpTrainer(WorkloadSpec("seed", seed=0), ["cpu:0", "cpu:1"], seed=0)
+    threaded = Trainer(builtin_workload("seed", seed=0), ["cpu:0", "cpu:1"], RunOptions(seed=0))
+    ddp = DdpTrainer(WorkloadSpec("seed", seed=0), ["cpu:0", "cpu:1"], RunOptions(seed=0))
     for run in (threaded, ddp):
         assert isinstance(run, Run)
         assert run.controls == ALL_CONTROLS == {PAUSE, BATCH_SIZE, DEVICES, BALANCE}

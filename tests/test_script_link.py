@@ -96,7 +96,7 @@ def test_pause_holds_the_next_forward_until_resume():
     passed = threading.Event()
 
     def forward() -> None:
-        link.wait_if_paused()
+        link.wait_while_paused()
         passed.set()
 
     wait_for(lambda: not link._running.is_set(), "the pause to reach the link")

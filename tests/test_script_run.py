@@ -15,7 +15,7 @@ import pytest
 import torch
 from waiting import gone, wait_for
 
-from dpengine.eventlog.events import StateChanged, StepFinished
+from dpengine.eventlog.events import ConfigChanged, StateChanged, StepFinished
 from dpengine.run.protocol import BALANCE, BATCH_SIZE, Run
 from tui.cli import main
 from tui.script.events import ScriptOutput
@@ -178,6 +178,42 @@ def test_a_paused_script_stops_at_the_first_signal():
     finally:
         run.kill()
         thread.join(30)
+
+
+def test_device_changes_and_pauses_answer_their_requests_and_auto_balance_follows():
+    # Three devices to two under balance="auto" raised "one chunk size and one time per device (3)
+    # expected" at the next step (issue 18 point 10): set_devices gives it a fresh balancer.
+    run = ScriptRun(ScriptTarget(script("auto_balanced.py")), ("cpu:0", "cpu:1", "cpu:2"),
+                    telemetry_interval=None, grace_s=30)
+    seen: list = []
+    run.subscribe(seen.append)
+    thread = threading.Thread(target=run.run)
+    thread.start()
+
+    def steps_on(devices: tuple[str, ...]) -> list[StepFinished]:
+        return [e for e in list(seen) if isinstance(e, StepFinished) and e.record.devices == devices]
+
+    def answer(kind: type, request: int):
+        wait_for(lambda: any(isinstance(e, kind) and e.request == request for e in list(seen)),
+                 f"the {kind.__name__} answering request {request}")
+        return next(e for e in seen if isinstance(e, kind) and e.request == request)
+
+    try:
+        wait_for(lambda: len(steps_on(("cpu:0", "cpu:1", "cpu:2"))) >= 8, "auto-balanced steps on three")
+        request = run.set_devices(["cpu:0", "cpu:1"])
+        assert answer(ConfigChanged, request).devices == ("cpu:0", "cpu:1")
+        wait_for(lambda: len(steps_on(("cpu:0", "cpu:1"))) >= 8, "steps on two after the change")
+        assert run.exit_code is None  # still training
+        paused = run.pause()
+        assert paused > request and answer(StateChanged, paused).state == "paused"
+        resumed = run.resume()
+        assert answer(StateChanged, resumed).state == "running"
+    finally:
+        run.stop()
+        run.wait(30)
+        run.kill()
+        thread.join(30)
+    assert run.exit_code == 130
 
 
 def test_json_piped_into_head_stops_the_script_quietly():

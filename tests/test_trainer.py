@@ -30,6 +30,7 @@ from dpengine.eventlog.events import (
     StepFinished,
     TelemetrySampled,
 )
+from dpengine.run.options import RunOptions
 from dpengine.run.trainer import Trainer
 from dpengine.run.workloads import Workload, builtin_workload, load_workload
 from dpengine.telemetry import open_telemetry
@@ -68,9 +69,12 @@ class Recorder:
         return self.of(StepFinished)
 
 
-def seed_trainer(devices, seed: int = 0, *, workload: Workload | None = None, **kwargs) -> Trainer:
-    kwargs.setdefault("telemetry_interval", None)
-    return Trainer(workload or builtin_workload("seed", seed), devices, seed=seed, **kwargs)
+def seed_trainer(devices, seed: int = 0, *, workload: Workload | None = None, telemetry=None, available=None,
+                 **options) -> Trainer:
+    """A Trainer with RunOptions(seed=seed, **options), without telemetry unless told."""
+    options.setdefault("telemetry_interval", None)
+    return Trainer(workload or builtin_workload("seed", seed), devices, RunOptions(seed=seed, **options),
+                   telemetry=telemetry, available=available)
 
 
 def assert_states_close(actual: dict, expected: dict) -> None:
@@ -305,7 +309,7 @@ def test_changes_from_another_thread_while_paused_apply_on_resume() -> None:
 
     def pause_after_step_2(event: Event) -> None:
         if isinstance(event, StepFinished) and event.step == 2:
-            trainer.pause()
+            seen["pause"] = trainer.pause()
             seen["weights"] = clone_state(trainer.workload.model)
 
     trainer.subscribe(rec)
@@ -316,12 +320,13 @@ def test_changes_from_another_thread_while_paused_apply_on_resume() -> None:
     assert trainer.paused
     # A seed step takes milliseconds: a run that ignored the pause would show steps in 0.2 s.
     holds_for(lambda: len(rec.steps) == 2, 0.2, "no step while paused")
-    trainer.set_batch_size(45)
-    trainer.set_devices(["cpu:3", "cpu:1"])  # another first device, another order
+    batch = trainer.set_batch_size(45)
+    devices = trainer.set_devices(["cpu:3", "cpu:1"])  # another first device, another order
+    assert seen["pause"] < batch < devices  # numbered in the order asked
     assert trainer.has_pending_change
     assert trainer.batch_size == 30 and trainer.devices == tuple(THREE)  # not before the boundary
     holds_for(lambda: len(rec.steps) == 2, 0.1, "a change asked for does not end the pause")
-    trainer.resume()
+    resumed = trainer.resume()
     thread.join(WAIT)
     assert not thread.is_alive()
 
@@ -335,10 +340,10 @@ def test_changes_from_another_thread_while_paused_apply_on_resume() -> None:
     assert [list(s.record.chunk_sizes) for s in steps] == (
         [chunk_sizes(30, 3)] * 2 + [chunk_sizes(r, 2) for r in ref.rows[2:]]
     )
-    states = [e.state for e in rec.of(StateChanged)]
-    assert states == ["paused", "running"]
-    (change,) = rec.of(ConfigChanged)
-    assert (change.batch_size, change.devices, change.step) == (45, ("cpu:3", "cpu:1"), 3)
+    states = [(e.state, e.request) for e in rec.of(StateChanged)]
+    assert states == [("paused", seen["pause"]), ("running", resumed)]
+    (change,) = rec.of(ConfigChanged)  # one event answers both requests: it carries the newer
+    assert (change.batch_size, change.devices, change.step, change.request) == (45, ("cpu:3", "cpu:1"), 3, devices)
     assert_states_close(seen["weights"], ref.states[2])
     for step, expected in zip(steps, ref.losses):
         assert step.loss == pytest.approx(expected, rel=1e-5)
@@ -412,7 +417,7 @@ def test_stop_from_a_subscriber_stops_at_the_step_boundary() -> None:
 
 def test_a_replica_that_raises_gives_run_failed_with_replica_and_device() -> None:
     workload = load_workload(f"{FIXTURES}:failing_workload", seed=0)
-    trainer = Trainer(workload, THREE, seed=0, epochs=1, telemetry_interval=None)
+    trainer = Trainer(workload, THREE, RunOptions(seed=0, epochs=1, telemetry_interval=None))
     rec = Recorder()
     trainer.subscribe(rec)
 
@@ -438,7 +443,7 @@ def test_a_loss_error_outside_the_replicas_has_no_replica() -> None:
         raise ValueError("the loss is broken")
 
     workload = dataclasses.replace(seed_workload, loss_fn=bad_loss)
-    result = Trainer(workload, THREE, seed=0, epochs=1, telemetry_interval=None).run()
+    result = Trainer(workload, THREE, RunOptions(seed=0, epochs=1, telemetry_interval=None)).run()
     assert isinstance(result, RunFailed)
     assert (result.replica, result.device) == (None, None)
     assert result.error == "ValueError: the loss is broken"
@@ -449,7 +454,7 @@ def test_a_loss_error_outside_the_replicas_has_no_replica() -> None:
 
 def test_checkpoint_at_the_end_then_resume_continues_with_weights_and_optimizer_state(tmp_path: Path) -> None:
     path = tmp_path / "ck.pt"
-    first = Trainer(momentum_workload(9), THREE, seed=9, epochs=2, telemetry_interval=None, checkpoint=path)
+    first = Trainer(momentum_workload(9), THREE, RunOptions(seed=9, epochs=2, telemetry_interval=None, checkpoint=path))
     result = first.run()
     assert isinstance(result, RunFinished)
 
@@ -460,7 +465,7 @@ def test_checkpoint_at_the_end_then_resume_continues_with_weights_and_optimizer_
     assert any("momentum_buffer" in s for s in saved["optimizer"]["state"].values())
     assert not list(tmp_path.glob("*.partial"))
 
-    resumed = Trainer(momentum_workload(9), THREE, seed=9, epochs=3, telemetry_interval=None, resume=path)
+    resumed = Trainer(momentum_workload(9), THREE, RunOptions(seed=9, epochs=3, telemetry_interval=None, resume=path))
     rec = Recorder()
     resumed.subscribe(rec)
     # The weights it starts from are the saved ones, not the fresh workload's.
@@ -485,7 +490,7 @@ def test_checkpoint_at_the_end_then_resume_continues_with_weights_and_optimizer_
 
 def test_checkpoint_on_stop_mid_epoch_then_resume_finishes_the_epoch(tmp_path: Path) -> None:
     path = tmp_path / "sub" / "stopped.pt"
-    first = Trainer(momentum_workload(4), THREE, seed=4, epochs=1, telemetry_interval=None, checkpoint=path)
+    first = Trainer(momentum_workload(4), THREE, RunOptions(seed=4, epochs=1, telemetry_interval=None, checkpoint=path))
     first.subscribe(lambda e: first.stop() if isinstance(e, StepFinished) and e.step == 2 else None)
     result = first.run()
     assert isinstance(result, RunFinished) and result.stopped
@@ -495,7 +500,7 @@ def test_checkpoint_on_stop_mid_epoch_then_resume_finishes_the_epoch(tmp_path: P
     for name, value in first.workload.model.state_dict().items():
         assert torch.equal(saved["model"][name], value)
 
-    resumed = Trainer(momentum_workload(4), THREE, seed=4, epochs=1, telemetry_interval=None, resume=path)
+    resumed = Trainer(momentum_workload(4), THREE, RunOptions(seed=4, epochs=1, telemetry_interval=None, resume=path))
     rec = Recorder()
     resumed.subscribe(rec)
     result = resumed.run()

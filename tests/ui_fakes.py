@@ -143,6 +143,7 @@ class ScriptedTrainer:
         self.published = threading.Event()
         self.calls: list[tuple] = []
         self.paused = False
+        self._requests = 0
 
     def subscribe(self, callback: Callable[[Event], None]) -> Callable[[], None]:
         self._subscribers.append(callback)
@@ -164,35 +165,41 @@ class ScriptedTrainer:
         if control not in self.controls:
             raise ControlUnsupported(control, _REFUSALS[control])
 
-    def pause(self) -> None:
-        self._offers(PAUSE)
-        self.calls.append(("pause",))
-        self.paused = True
+    def _numbered(self, call: tuple) -> int:
+        """Note the call; its request number, as a real run numbers them."""
+        self.calls.append(call)
+        self._requests += 1
+        return self._requests
 
-    def resume(self) -> None:
+    def pause(self) -> int:
         self._offers(PAUSE)
-        self.calls.append(("resume",))
+        self.paused = True
+        return self._numbered(("pause",))
+
+    def resume(self) -> int:
+        self._offers(PAUSE)
         self.paused = False
+        return self._numbered(("resume",))
 
     def stop(self) -> None:
         self.calls.append(("stop",))
         self._stopped.set()
 
-    def set_batch_size(self, n: int) -> None:
+    def set_batch_size(self, n: int) -> int:
         self._offers(BATCH_SIZE)
         if n < 1:
             raise ValueError("batch size must be at least 1")
-        self.calls.append(("set_batch_size", n))
+        return self._numbered(("set_batch_size", n))
 
-    def set_devices(self, devices: Sequence[str]) -> None:
+    def set_devices(self, devices: Sequence[str]) -> int:
         self._offers(DEVICES)
         if not devices:
             raise ValueError("no devices")
-        self.calls.append(("set_devices", tuple(devices)))
+        return self._numbered(("set_devices", tuple(devices)))
 
-    def set_balance(self, balance) -> None:
+    def set_balance(self, balance) -> int:
         self._offers(BALANCE)
-        self.calls.append(("set_balance", balance))
+        return self._numbered(("set_balance", balance))
 
     def config(self) -> RunConfig:
         started = next(e for e in self._events if isinstance(e, RunStarted))
@@ -204,7 +211,7 @@ class ScriptedTrainer:
 
 
 def factory_of(*trainers: ScriptedTrainer) -> Callable[[], ScriptedTrainer]:
-    """A trainer_factory that hands out the given trainers in turn (for restarts)."""
+    """A run factory that hands out the given trainers in turn (for restarts)."""
     supply = iter(trainers)
     return lambda: next(supply)
 

@@ -40,9 +40,7 @@ from .widgets.run_log import RunLog
 from .widgets.status_bar import StatusBar
 
 if TYPE_CHECKING:
-    from dpengine.run.protocol import Run
-
-TrainerFactory = Callable[[], "Run"]  # builds a fresh run: the threaded or DDP trainer, a script, a log
+    from dpengine.run.protocol import RunFactory
 
 REFRESH_S = 0.1
 LOG_REFRESH_S = 1.0  # new lines scroll the log, which repaints all of it
@@ -85,13 +83,13 @@ class DptuiApp(App[None]):
 
     def __init__(
         self,
-        trainer_factory: TrainerFactory,
+        run_factory: RunFactory,
         *,
         clock: Callable[[], float] = time.monotonic,
         refresh_interval: float = REFRESH_S,
     ) -> None:
         super().__init__()
-        self._trainer_factory = trainer_factory
+        self._run_factory = run_factory
         self._clock = clock
         self._refresh_interval = refresh_interval
         self.session = Session(self._new_view())
@@ -148,7 +146,7 @@ class DptuiApp(App[None]):
     def _train(self, session: Session) -> RunFinished | RunFailed | None:
         view = session.view
         try:
-            trainer = self._trainer_factory()
+            trainer = self._run_factory()
         except Exception as error:  # a bad config: one line in the log, the app stays up
             return _failed(view.feed, error)
         unsubscribe = trainer.subscribe(view.feed)
@@ -308,8 +306,8 @@ def _failed(feed: Callable[[RunFailed], None], error: Exception) -> RunFailed:
     return event
 
 
-def run_app(trainer_factory: TrainerFactory) -> int:
+def run_app(run_factory: RunFactory) -> int:
     """Run the app in this terminal until the user quits; the exit status."""
-    app = DptuiApp(trainer_factory)
+    app = DptuiApp(run_factory)
     app.run()
     return app.return_code or 0

@@ -31,9 +31,7 @@ from .usage import (
 )
 
 if TYPE_CHECKING:
-    from dpengine.run.protocol import Run
-
-RunFactory = Callable[[], "Run"]
+    from dpengine.run.protocol import Run, RunFactory
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 130, 143
 
@@ -145,21 +143,59 @@ def _parse_balance(text: str, device_count: int):
 
 def make_trainer_factory(settings: Settings, headless: bool) -> RunFactory:
     """Load and check the workload once (exit 2 if bad); the factory builds fresh trainers."""
-    from dpengine.run.checkpoint import CheckpointError, check_fits, read_checkpoint
+    from dpengine.run.options import RunOptions
     from dpengine.run.trainer import Trainer
-    from dpengine.run.workloads import WorkloadError, check_workload, load_workload
+    from dpengine.run.workloads import load_workload
 
     args = settings.args
+    resume = _read_resume(args.resume)
+    seed = _seed_of(args.seed, resume)
+    _check_workload(args, seed, resume)
+    options = RunOptions(
+        batch_size=args.batch_size,
+        epochs=args.epochs if args.epochs is not None else (1 if headless else None),
+        lr=args.lr,
+        seed=seed,
+        balance=args.balance,
+        checkpoint=args.checkpoint,
+        checkpoint_every=args.checkpoint_every,
+        resume=resume,
+        telemetry_interval=None if args.no_telemetry else args.telemetry_interval,
+    )
+    if args.backend == "ddp":
+        from dpengine.distributed import DdpTrainer, WorkloadSpec
+
+        # Each rank process rebuilds the workload from the same targets and seed.
+        spec = WorkloadSpec(args.model, args.dataset, seed)
+        return lambda: DdpTrainer(spec, settings.devices, options, step_timeout=args.step_timeout)
+    # A fresh workload each time: `r` in the UI restarts from fresh weights.
+    return lambda: Trainer(load_workload(args.model, args.dataset, seed=seed), settings.devices, options)
+
+
+def _read_resume(path: str | None):
+    """--resume's checkpoint, read once: checked here, then handed to every run the factory builds."""
+    from dpengine.run.checkpoint import CheckpointError, read_checkpoint
+
     try:
-        # Read once: checked here, then handed to every run the factory builds.
-        resume = read_checkpoint(args.resume) if args.resume else None
+        return read_checkpoint(path) if path else None
     except CheckpointError as error:
         raise UsageError(f"--resume {error}") from None
-    seed = args.seed
+
+
+def _seed_of(seed: int | None, resume) -> int:
+    """--seed; else the resumed run's (the same data and batch order as the run that saved it); else random."""
     if seed is None and resume is not None:
-        seed = resume.seed  # resuming: the same data and batch order as the run that saved it
+        seed = resume.seed
     if seed is None:
         seed = int.from_bytes(os.urandom(4), "little") >> 1
+    return seed
+
+
+def _check_workload(args: argparse.Namespace, seed: int, resume) -> None:
+    """UsageError unless --model and --dataset load, and --resume's checkpoint fits them."""
+    from dpengine.run.checkpoint import CheckpointError, check_fits
+    from dpengine.run.workloads import WorkloadError, check_workload, load_workload
+
     try:
         workload = load_workload(args.model, args.dataset, seed=seed)
         check_workload(workload)
@@ -170,30 +206,6 @@ def make_trainer_factory(settings: Settings, headless: bool) -> RunFactory:
             check_fits(resume, workload, args.lr)  # `workload` is a throwaway copy: this trains nothing
         except CheckpointError as error:
             raise UsageError(f"--resume {error}") from None
-    epochs = args.epochs if args.epochs is not None else (1 if headless else None)
-
-    def factory():
-        common = dict(
-            batch_size=args.batch_size,
-            epochs=epochs,
-            lr=args.lr,
-            seed=seed,
-            telemetry_interval=None if args.no_telemetry else args.telemetry_interval,
-            checkpoint=args.checkpoint,
-            checkpoint_every=args.checkpoint_every,
-            resume=resume,
-            balance=args.balance,
-        )
-        if args.backend == "ddp":
-            from dpengine.distributed import DdpTrainer, WorkloadSpec
-
-            # Each rank process rebuilds the workload from the same targets and seed.
-            return DdpTrainer(WorkloadSpec(args.model, args.dataset, seed), settings.devices,
-                              step_timeout=args.step_timeout, **common)
-        # A fresh workload each time: `r` in the UI restarts from fresh weights.
-        return Trainer(load_workload(args.model, args.dataset, seed=seed), settings.devices, **common)
-
-    return factory
 
 
 def run_headless(settings: Settings, factory: RunFactory, log: _EventLog | None = None) -> int:

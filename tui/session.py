@@ -3,7 +3,8 @@
 The run is built on the worker thread (building a model or a CUDA context can take
 seconds), so until it is attached every steering call says "still starting". Each steering
 method returns None when the change was handed to the run, or a sentence for the user
-(also when the run does not offer that control: its `ControlUnsupported` says why).
+(also when the run does not offer that control: its `ControlUnsupported` says why). The view
+shows a change as pending until the event carrying its request number comes.
 """
 
 from __future__ import annotations
@@ -56,11 +57,9 @@ class Session:
             return trainer
         try:
             if self.view.target_paused():
-                trainer.resume()
-                self.view.request(state="running")
+                self.view.request(trainer.resume(), state="running")
             else:
-                trainer.pause()
-                self.view.request(state="paused")
+                self.view.request(trainer.pause(), state="paused")
         except ValueError as err:
             return str(err)
         return None
@@ -72,10 +71,10 @@ class Session:
         if n < 1:
             return "The batch size must be at least 1."
         try:
-            trainer.set_batch_size(n)
+            number = trainer.set_batch_size(n)
         except ValueError as err:
             return str(err)
-        self.view.request(batch_size=n)
+        self.view.request(number, batch_size=n)
         return None
 
     def scale_batch_size(self, factor: float) -> str | None:
@@ -98,10 +97,10 @@ class Session:
         if isinstance(trainer, str):
             return trainer
         try:
-            trainer.set_balance(balance)
+            number = trainer.set_balance(balance)
         except ValueError as err:
             return str(err)
-        self.view.request(balance=balance if isinstance(balance, str) else "weights")
+        self.view.request(number, balance=balance if isinstance(balance, str) else "weights")
         return None
 
     def toggle_device(self, index: int) -> str | None:
@@ -123,8 +122,8 @@ class Session:
         if not devices:
             return "Choose at least one device."
         try:
-            trainer.set_devices(devices)
+            number = trainer.set_devices(devices)
         except ValueError as err:
             return str(err)
-        self.view.request(devices=devices)
+        self.view.request(number, devices=devices)
         return None

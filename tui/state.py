@@ -134,6 +134,10 @@ class RunView:
         self._pending_state: str | None = None  # "paused" or "running", asked for
         self._balance = "even"
         self._pending_balance: str | None = None  # "even", "auto" or "weights", asked for
+        # Per kind (batch, devices, state, balance): the number of the request shown as pending,
+        # and of the newest request an event answered (a run's events carry it as `request`).
+        self._pending_request: dict[str, int] = {}
+        self._answered: dict[str, int] = {}
         self._last_step: StepFinished | None = None
         self._throughput: float | None = None
         self._loss_history: deque[float] = deque(maxlen=HISTORY_POINTS)
@@ -207,7 +211,7 @@ class RunView:
             self._telemetry[sample.device] = sample
 
     def _on_state(self, event: StateChanged) -> None:
-        if event.state == self._pending_state:
+        if self._answers(event.request, "state"):
             self._pending_state = None
         if self._state not in ENDED:
             self._state = event.state
@@ -216,16 +220,16 @@ class RunView:
     def _on_config(self, event: ConfigChanged) -> None:
         self._batch_size = event.batch_size
         self._devices = tuple(event.devices)
-        if self._pending_batch == event.batch_size:
+        if self._answers(event.request, "batch"):
             self._pending_batch = None
-        if self._pending_devices is not None and set(self._pending_devices) == set(event.devices):
+        if self._answers(event.request, "devices"):
             self._pending_devices = None
         self._last_logged = None  # show the new split in the log at once
         self._event(text.config_line(event))
 
     def _on_split(self, event: SplitChanged) -> None:
         self._balance = event.balance
-        if self._pending_balance == event.balance:
+        if self._answers(event.request, "balance"):
             self._pending_balance = None
         self._last_logged = None  # show the new split in the log at once
         self._event(text.split_line(event))
@@ -251,6 +255,13 @@ class RunView:
 
     def _event(self, text: str, kind: str = "event") -> None:
         self._log.append(LogLine(text, kind))
+
+    def _answers(self, request: int | None, kind: str) -> bool:
+        """Note that an event answered request number `request`; True if that ends `kind`'s pending one."""
+        if request is None:  # not asked for (the auto-balancer's own split)
+            return False
+        self._answered[kind] = max(self._answered.get(kind, 0), request)
+        return self._pending_request.get(kind, 0) <= request
 
     # -- asked for by the UI ----------------------------------------------------------
 
@@ -299,22 +310,29 @@ class RunView:
             return (self._pending_state or self._state) == "paused"
 
     def request(
-        self, *, batch_size: int | None = None, devices: Sequence[str] | None = None, state: str | None = None,
-        balance: str | None = None,
+        self, number: int, *, batch_size: int | None = None, devices: Sequence[str] | None = None,
+        state: str | None = None, balance: str | None = None,
     ) -> None:
-        """Note a change handed to the trainer, shown as pending until its event arrives."""
+        """Note a change handed to the run as request `number`, pending until an event answers it."""
         with self._lock:
             self._version += 1
-            if batch_size is not None:
+            if batch_size is not None and self._unanswered(number, "batch"):
                 self._pending_batch = None if batch_size == self._batch_size else batch_size
-            if devices is not None:
+            if devices is not None and self._unanswered(number, "devices"):
                 devices = tuple(devices)
                 self._pending_devices = None if set(devices) == set(self._devices) else devices
-            if state is not None:
+            if state is not None and self._unanswered(number, "state"):
                 self._pending_state = None if state == self._state else state
-            if balance is not None:
+            if balance is not None and self._unanswered(number, "balance"):
                 # Weights are always news: other weights than the ones in force.
                 self._pending_balance = None if balance == self._balance != "weights" else balance
+
+    def _unanswered(self, number: int, kind: str) -> bool:
+        """Request `number` of `kind` is to show as pending: no event answered it before it got here."""
+        if number <= self._answered.get(kind, 0):
+            return False  # the run was quicker than the caller: its event came already
+        self._pending_request[kind] = number
+        return True
 
     # -- pulled by the UI -------------------------------------------------------------
 

@@ -55,6 +55,7 @@ class RankConfig:
     state_dir: str | None = None  # where rank 0 writes restart state
     generation: int = 0  # 0, then +1 per device change
     paused: bool = False  # steering state carried into this generation
+    state_request: int | None = None  # the number of the last pause or resume
     stop: bool = False
     changes: tuple[Change, ...] = ()  # batch size / device / split changes not yet applied, oldest first
     store: tuple[str, int] | None = None  # the host's TCPStore (spawned ranks); None under torchrun

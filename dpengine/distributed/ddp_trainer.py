@@ -4,28 +4,24 @@
 (`SpawnedGroup` on one machine; under torchrun rank 0's loop runs in a thread of this
 process), publishes what rank 0 sends (steps with one `ReplicaRecord` per rank, epochs,
 telemetry, state and config changes), and forwards steering to rank 0, which applies it at
-the next step boundary in every rank. A device change ends the ranks at a boundary, after
-rank 0 saved the model, the optimizer and the run's counters; the next generation of ranks,
-one per new device, loads them and goes on in the same epoch at the same position.
+the next step boundary in every rank (rank0_steering.py). A device change ends the ranks at a
+boundary, after rank 0 saved the model, the optimizer and the run's counters; the next
+generation of ranks, one per new device, loads them and goes on in the same epoch at the same
+position.
 
-A rank that raises reports its error and exits; a rank that dies closes its channel; a frozen
-one stops sending its heartbeat (`messages.Alive`, each second from a thread, however long its
-step), and LIVENESS_S without one is a failure. Either way the host ends every other rank at
-once (SIGTERM to each rank's process group, SIGKILL after three seconds) and publishes
-RunFailed naming the rank and its device. An error that only says a peer went away (gloo's
-"Connection closed by peer") never hides the rank that really failed.
+What the ranks send is read in `host_inbox.py`: a rank that raises, dies or freezes fails the
+run there, naming the rank and its device, after every other rank was ended.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 import threading
 import time
 from collections.abc import Sequence
 from datetime import timedelta
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import torch
@@ -44,20 +40,17 @@ from ..eventlog.events import (
     StepFinished,
     TelemetrySampled,
 )
-from ..run.checkpoint import Checkpoint
 from ..run.failures import run_failed
 from ..run.pending import Change
 from ..run.protocol import ALL_CONTROLS, DEVICES, ControlUnsupported
-from ..run.trainer_base import TrainerBase, check_batch_size
+from ..run.options import RunOptions, check_batch_size
+from ..run.trainer_base import TrainerBase
 from ..telemetry import TelemetryPoller, TelemetrySource
 from .config import RankConfig, WorkloadSpec
-from .launcher import SpawnedGroup, TorchrunGroup, describe_exit, threads_per_rank
-from .messages import Alive, ErrorReport, Finished, Forward, Published, Ready, Restart, Steer
+from .host_inbox import LIVENESS_S, RankInbox
+from .launcher import SpawnedGroup, TorchrunGroup, threads_per_rank
+from .messages import Finished, Forward, Published, Ready, Restart, Steer
 from .torchrun import torchrun_env, torchrun_session
-
-_POLL_S = 0.1
-FAILURE_GRACE_S = 2.0  # after a "peer went away" error, how long to wait for the real culprit
-LIVENESS_S = 30.0  # a spawned rank silent this long (no heartbeat, see channel.py) is frozen
 
 
 class DdpTrainer(TrainerBase):
@@ -72,24 +65,10 @@ class DdpTrainer(TrainerBase):
     """
 
     def __init__(
-        self,
-        workload: WorkloadSpec,
-        devices: Sequence[DeviceLike] = ("cpu:0", "cpu:1"),
-        *,
-        batch_size: int | None = None,
-        epochs: int | None = 1,
-        lr: float | None = None,
-        seed: int | None = None,
-        telemetry: TelemetrySource | None = None,
-        telemetry_interval: float | None = 1.0,
-        available: Sequence[DeviceLike] | None = None,
-        checkpoint: str | os.PathLike | None = None,
-        resume: str | os.PathLike | Checkpoint | None = None,
-        checkpoint_every: int | None = None,
-        step_timeout: float | None = None,
-        startup_timeout: float = 120.0,
-        balance: Balance = "even",
-        liveness_timeout: float = LIVENESS_S,
+        self, workload: WorkloadSpec, devices: Sequence[DeviceLike] = ("cpu:0", "cpu:1"),
+        options: RunOptions = RunOptions(), *, telemetry: TelemetrySource | None = None,
+        available: Sequence[DeviceLike] | None = None, step_timeout: float | None = None,
+        startup_timeout: float = 120.0, liveness_timeout: float = LIVENESS_S,
     ) -> None:
         if not isinstance(workload, WorkloadSpec):
             raise TypeError(
@@ -98,49 +77,41 @@ class DdpTrainer(TrainerBase):
             )
         self.spec = workload
         built = workload.build()  # here for its name, size and defaults; ranks build their own
-        self._workload_name = built.name
-        self._samples = len(built.dataset)
+        self._workload_name, self._samples = built.name, len(built.dataset)
         # Each rank process reads `resume` again itself: a state dict does not travel.
-        super().__init__(
-            built, batch_size=batch_size, epochs=epochs, lr=lr, seed=seed, telemetry=telemetry,
-            telemetry_interval=telemetry_interval, checkpoint=checkpoint, resume=resume, lock=threading.Lock(),
-            checkpoint_every=checkpoint_every,
-        )
-        del built
+        super().__init__(built, options, telemetry=telemetry, lock=threading.Lock())
         self.timeout = float(step_timeout) if step_timeout is not None else None
         self.startup_timeout = float(startup_timeout)
         self.liveness_timeout = float(liveness_timeout)
-
         self._torchrun = torchrun_env()
-        if self._torchrun is not None:
-            if self._torchrun.rank != 0:
-                raise RuntimeError(
-                    "under torchrun DdpTrainer runs on rank 0 only; the other ranks run "
-                    "`python -m tui.torchrun` (or call dpengine.distributed.worker.follow)"
-                )
-            kind = "cuda" if torch.cuda.is_available() else "cpu"
-            self._devices = tuple(f"{kind}:{r}" for r in range(self._torchrun.world_size))
-            self._available = self._devices
-        else:
-            resolved = resolve_devices(devices)
-            self._devices = tuple(device_name(d) for d in resolved)
-            chosen = resolve_devices(available) if available else available_devices(resolved)
-            self._available = tuple(device_name(d) for d in chosen)
+        self._devices, self._available = self._rank_devices(devices, available)
         self.backend = "nccl" if self._devices[0].startswith("cuda") else "gloo"
-        self._balance = check_balance(balance, len(self._devices))
-
+        self._balance = check_balance(options.balance, len(self._devices))
         self._rank0: Connection | None = None
         self._group: SpawnedGroup | TorchrunGroup | None = None
         self._store: dist.TCPStore | None = None
 
+    def _rank_devices(self, devices: Sequence[DeviceLike], available: Sequence[DeviceLike] | None):
+        """(one device name per rank, what set_devices may choose from); under torchrun, torchrun's ranks."""
+        if self._torchrun is None:
+            resolved = resolve_devices(devices)
+            chosen = resolve_devices(available) if available else available_devices(resolved)
+            return tuple(device_name(d) for d in resolved), tuple(device_name(d) for d in chosen)
+        if self._torchrun.rank != 0:
+            raise RuntimeError(
+                "under torchrun DdpTrainer runs on rank 0 only; the other ranks run "
+                "`python -m tui.torchrun` (or call dpengine.distributed.worker.follow)"
+            )
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+        ranks = tuple(f"{kind}:{r}" for r in range(self._torchrun.world_size))
+        return ranks, ranks
+
     # -- steering, from any thread (pause/resume/stop: TrainerBase) -------------------
 
-    def set_batch_size(self, batch_size: int) -> None:
-        batch_size = check_batch_size(batch_size)
-        with self._lock:
-            self._send_rank0(self._pending.ask(batch_size=batch_size))
+    def set_batch_size(self, batch_size: int) -> int:
+        return self._ask(batch_size=check_batch_size(batch_size))
 
-    def set_devices(self, devices: Sequence[DeviceLike]) -> None:
+    def set_devices(self, devices: Sequence[DeviceLike]) -> int:
         if self._torchrun is not None:
             raise ControlUnsupported(
                 DEVICES,
@@ -153,22 +124,25 @@ class DdpTrainer(TrainerBase):
             raise ValueError(
                 f"device {unknown[0]} is not available to this run (available: {', '.join(self._available)})"
             )
-        with self._lock:
-            self._send_rank0(self._pending.ask(devices=resolved))
+        return self._ask(devices=resolved)
 
-    def set_balance(self, balance: Balance) -> None:
+    def set_balance(self, balance: Balance) -> int:
         """"even", "auto" or one weight per rank, from the next step on (every rank alike)."""
-        balance = check_balance(balance, len(self._devices))
+        return self._ask(balance=check_balance(balance, len(self._devices)))
+
+    def _ask(self, **change) -> int:
         with self._lock:
-            self._send_rank0(self._pending.ask(balance=balance))
+            numbered = self._pending.ask(**change)
+            self._send_rank0(numbered)
+            return numbered.seq
 
     @property
     def balance(self) -> Balance:
         """What rank 0 last put in force (weights as shares of the batch)."""
         return self._balance
 
-    def _tell(self, command: str) -> None:
-        self._send_rank0(Steer(command))
+    def _tell(self, command: str, request: int | None) -> None:
+        self._send_rank0(Steer(command, request))
 
     def _send_rank0(self, message: Steer | Change | Published) -> None:
         """Send to rank 0 (with the lock held); with no ranks yet, the next generation gets the state."""
@@ -259,7 +233,9 @@ class DdpTrainer(TrainerBase):
         generation = 0
         while True:
             group = self._launch(started, state_dir, generation, state)
-            outcome = self._pump(group)
+            inbox = RankInbox(group, self._on_rank_message, startup_timeout=self.startup_timeout,
+                              liveness_timeout=self.liveness_timeout)
+            outcome = inbox.pump()
             if isinstance(outcome, Finished):
                 group.wait_all(10.0)  # they are on their way out; _end_group reaps the rest
                 return outcome.result
@@ -272,42 +248,13 @@ class DdpTrainer(TrainerBase):
             with self._lock:  # _launch reads them under it
                 self._devices = payload.devices
                 self._batch_size = payload.batch_size
-            self._publish(ConfigChanged(self._batch_size, self._devices, payload.step + 1))
+            self._publish(ConfigChanged(self._batch_size, self._devices, payload.step + 1, payload.request))
             state = payload.state
             generation += 1
 
     def _launch(self, started: float, state_dir: Path, generation: int, state: str | None):
-        world = len(self._devices)
-        local_world = self._torchrun.local_world_size if self._torchrun is not None else world
         with self._lock:
-            config = RankConfig(
-                spec=self.spec,
-                devices=self._devices,
-                backend=self.backend,
-                batch_size=self._batch_size,
-                epochs=self.epochs,
-                lr=self.lr,
-                seed=self.seed,
-                telemetry_interval=None if self._telemetry is not None else self._telemetry_interval,
-                timeout_s=self.timeout,
-                startup_timeout_s=self.startup_timeout,
-                threads=threads_per_rank(local_world),
-                started=started,
-                checkpoint=str(self.checkpoint) if self.checkpoint else None,
-                checkpoint_every=self.checkpoint_every,
-                resume=str(self.resume_from.path) if self.resume_from and generation == 0 else None,
-                explicit_lr=self._explicit_lr,
-                state=state,
-                state_dir=str(state_dir),
-                generation=generation,
-                paused=self._paused,
-                stop=self._stop,
-                changes=self._pending.waiting(),
-                store=None if self._torchrun is not None else ("127.0.0.1", self._store.port),
-                store_prefix=f"gen{generation}/",
-                torchrun=self._torchrun is not None,
-                balance=self._balance,
-            )
+            config = self._rank_config(started, state_dir, generation, state)
             if self._torchrun is not None:
                 group = self._torchrun_group(config)
             else:
@@ -315,6 +262,39 @@ class DdpTrainer(TrainerBase):
             self._group = group
             self._rank0 = group.conns[0]
         return group
+
+    def _rank_config(self, started: float, state_dir: Path, generation: int, state: str | None) -> RankConfig:
+        """What every rank of this generation is handed (with the lock held: steering reads it too)."""
+        local_world = self._torchrun.local_world_size if self._torchrun is not None else len(self._devices)
+        return RankConfig(
+            spec=self.spec,
+            devices=self._devices,
+            backend=self.backend,
+            batch_size=self._batch_size,
+            epochs=self.epochs,
+            lr=self.lr,
+            seed=self.seed,
+            telemetry_interval=None if self._telemetry is not None else self._telemetry_interval,
+            timeout_s=self.timeout,
+            startup_timeout_s=self.startup_timeout,
+            threads=threads_per_rank(local_world),
+            started=started,
+            checkpoint=str(self.checkpoint) if self.checkpoint else None,
+            checkpoint_every=self.checkpoint_every,
+            resume=str(self.resume_from.path) if self.resume_from and generation == 0 else None,
+            explicit_lr=self._explicit_lr,
+            state=state,
+            state_dir=str(state_dir),
+            generation=generation,
+            paused=self._paused,
+            state_request=self._state_request,
+            stop=self._stop,
+            changes=self._pending.waiting(),
+            store=None if self._torchrun is not None else ("127.0.0.1", self._store.port),
+            store_prefix=f"gen{generation}/",
+            torchrun=self._torchrun is not None,
+            balance=self._balance,
+        )
 
     def _torchrun_group(self, config: RankConfig) -> TorchrunGroup:
         from .channel import StoreBoard
@@ -337,74 +317,8 @@ class DdpTrainer(TrainerBase):
         if group is not None:
             group.terminate()
 
-    def _pump(self, group) -> Finished | Restart | RunFailed:
-        """Publish what the ranks send until the generation finishes, restarts or fails."""
-        open_conns = dict(group.conns)
-        rank_of = {id(conn): rank for rank, conn in open_conns.items()}
-        reports: dict[int, ErrorReport] = {}
-        deaths: dict[int, str] = {}
-        first_failure: float | None = None
-        heard = False
-        # When each rank was last heard from; every rank counts from rank 0's Ready (all of them
-        # have joined by then), or from its own first message if earlier. Before: the start-up deadline.
-        last_heard: dict[int, float] = {}
-        # Later than the ranks' own start-up timeout, so that they can say who is missing first.
-        deadline = time.monotonic() + self.startup_timeout + 10.0
-        while True:
-            ready = wait(list(open_conns.values()), _POLL_S) if open_conns else []
-            polled = time.monotonic()  # whatever a rank sent before now is read in this round
-            if not open_conns:
-                time.sleep(_POLL_S)
-            outcome = None
-            for conn in ready:
-                rank = rank_of[id(conn)]
-                try:
-                    message = conn.recv()
-                except (EOFError, OSError):
-                    del open_conns[rank]
-                    if rank not in reports:
-                        code = group.exit_code(rank, wait=2.0)
-                        if code != 0:
-                            deaths[rank] = describe_exit(code)
-                            first_failure = first_failure or time.monotonic()
-                    continue
-                last_heard[rank] = time.monotonic()
-                if isinstance(message, Alive):
-                    continue
-                if isinstance(message, ErrorReport):
-                    reports.setdefault(rank, message)
-                    first_failure = first_failure or time.monotonic()
-                    continue
-                if isinstance(message, Ready):
-                    for other in open_conns:
-                        last_heard.setdefault(other, time.monotonic())
-                outcome = self._on_rank_message(message) or outcome
-                heard = True
-            if not group.torchrun:  # torchrun watches its own ranks
-                for rank in open_conns.keys() & last_heard.keys():
-                    # Up to the poll, not now: a slow subscriber above may have kept beats unread.
-                    silent_s = polled - last_heard[rank]
-                    if silent_s > self.liveness_timeout and rank not in deaths:
-                        deaths[rank] = f"stopped responding: no heartbeat for {silent_s:.0f} s (frozen?)"
-                        first_failure = first_failure or time.monotonic()
-            for rank, report in group.errors().items():
-                if rank not in reports:
-                    reports[rank] = report
-                    first_failure = first_failure or time.monotonic()
-            if first_failure is not None:
-                real = any(not r.comm for r in reports.values()) or deaths
-                if real or time.monotonic() - first_failure > FAILURE_GRACE_S:
-                    return self._failed(group, reports, deaths)
-            elif outcome is not None:
-                return outcome
-            elif not heard and time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"the ranks did not start within {self.startup_timeout:g} s (rank 0 never got "
-                    f"its process group and workload ready)"
-                )
-
     def _on_rank_message(self, message: Ready | Forward | Finished | Restart) -> Finished | Restart | None:
-        """Where a message from rank 0 is handled; the generation's outcome when it is one."""
+        """Rank 0's news, from the inbox (host_inbox.py): acknowledge, publish; the generation's outcome when it is one."""
         self._pending.applied(message.acked)
         if isinstance(message, Forward):
             self._on_rank_event(message.event)
@@ -426,42 +340,3 @@ class DdpTrainer(TrainerBase):
             with self._lock:
                 # After whatever the subscribers asked for: rank 0 applies that before step N+1.
                 self._send_rank0(Published(event.step))
-
-    def _failed(self, group, reports: dict[int, ErrorReport], deaths: dict[int, str]) -> RunFailed:
-        group.terminate()  # first stop the others, then say why
-        devices = group.config.devices
-        real = sorted((r for r in reports.values() if not r.comm), key=lambda r: r.time)
-        silent = [r for r in range(len(devices)) if r not in reports and r not in deaths]
-        if not real and not deaths and silent:
-            # Only "peer went away / timed out" errors: the rank that said nothing kept them waiting.
-            rank = silent[0]
-            first = min(reports.values(), key=lambda r: r.time)
-            return RunFailed(
-                error=f"rank {rank} on {devices[rank]} stopped responding: rank {first.rank} gave up "
-                f"waiting for it ({first.error_type}: {first.message})",
-                error_type="RankTimeout",
-                replica=rank,
-                device=devices[rank],
-                traceback=first.traceback,
-            )
-        if real or not deaths:
-            report = real[0] if real else min(reports.values(), key=lambda r: r.time)
-            rank = report.rank
-            cause = f"{report.error_type}: {report.message}" if report.message else report.error_type
-            return RunFailed(
-                error=f"rank {rank} on {devices[rank]} failed: {cause}",
-                error_type=report.error_type,
-                replica=rank,
-                device=devices[rank],
-                traceback=report.traceback,
-            )
-        rank = min(deaths)
-        tail = group.log_tail(rank)
-        return RunFailed(
-            error=f"rank {rank} on {devices[rank]} {deaths[rank]}",
-            error_type="RankExited",
-            replica=rank,
-            device=devices[rank],
-            traceback=f"rank {rank}'s output ended with:\n{tail}" if tail else "",
-        )
-

@@ -1,11 +1,11 @@
 """What the host and the ranks say to each other: frozen dataclasses, pickled over the channel.
 
-host -> rank 0 (over its channel; `channel.py`):
+host -> rank 0 (over its channel, `channel.py`; handled in `rank0_steering.py`):
   RankConfig                  the first message to every spawned rank (config.py)
   Steer("pause"|"resume"|"stop")
   Change(seq, batch_size | devices | balance)   a batch size, device or split change (dpengine/run/pending.py)
   Published(step)             step N's subscribers have run: rank 0 may start step N+1
-rank -> host (handled in `DdpTrainer._pump`, ddp_trainer.py):
+rank -> host (handled in `host_inbox.py`, rank 0's news by `DdpTrainer._on_rank_message`):
   Ready, Forward(event), Finished(result), Restart(...)   each with `acked`, the newest
                               Change number rank 0 has applied
   ErrorReport                 from any rank (under torchrun, other ranks post it to the store)
@@ -31,6 +31,7 @@ __all__ = [
 @dataclass(frozen=True)
 class Steer:
     command: str  # "pause", "resume" or "stop"
+    request: int | None = None  # the pause's or resume's number, for the StateChanged that answers it
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class Restart:
     state: str
     step: int  # the last step this generation ran
     acked: int
+    request: int | None = None  # the newest batch size / device request this answers
 
 
 @dataclass(frozen=True)
@@ -97,3 +99,4 @@ class Decision:
     batch: int | None = None  # the global batch size from now on
     devices: tuple[str, ...] | None = None  # with "restart"
     balance: Balance | None = None  # how global batches are cut from now on, when that changes
+    request: int | None = None  # with "restart": the newest batch size / device request it answers

@@ -12,15 +12,11 @@ threaded backend computes it (for a loss that is a mean over rows, as every buil
 one is). A rank left without a chunk (batch 2 on 3 ranks) runs its model on zero rows and
 contributes a zero gradient, so every rank still joins every all-reduce.
 
-Each step boundary is one collective: rank 0 reads the host's steering commands and
-broadcasts its decision (step, wait while paused, stop, restart for a device change);
-after the step every rank's `ReplicaRecord` (and, when due, a telemetry sample) reaches
-rank 0 through `gather_object`, and rank 0 sends the step to the host. While paused, rank 0
-broadcasts a "wait" every half second, so no collective comes near its timeout. Rank 0
-also waits (the same way) until the host has published step N before it starts step N+1, so
-that a subscriber's pause/stop/batch/device request made on StepFinished N applies at step
-N+1, exactly as with the threaded Trainer, and a slow subscriber slows training rather than
-piling events up.
+Each step boundary is one collective: rank 0 broadcasts what its copy of the host's steering
+decides (rank0_steering.py: step, wait while paused or until the host has published the last
+step, stop, restart for a device change). After the step every rank's `ReplicaRecord` (and,
+when due, a telemetry sample) reaches rank 0 through `gather_object`, and rank 0 sends the
+step to the host.
 """
 
 from __future__ import annotations
@@ -39,25 +35,23 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ..balance import Balance, BalancePlan, Balancer, balance_name, balanced_sizes, normalized
+from ..balance import Balance, BalancePlan, Balancer, balance_name, balance_weights, balanced_sizes
 from ..devices import parse_device
-from ..eventlog.events import ConfigChanged, EpochFinished, Event, SplitChanged, StateChanged, TelemetrySampled
+from ..eventlog.events import EpochFinished, Event, SplitChanged, TelemetrySampled
 from ..instrument import ReplicaProbe, tensors_of
 from ..records import StepRecord
 from ..run.batches import batch_of, move_optimizer_state, to_device
 from ..run.checkpoint import as_checkpoint, restore_restart, restore_run, save_restart
 from ..run.epoch_loop import Boundary, EpochLoop
 from ..run.failures import check_loss
-from ..run.pending import Change, PendingChanges
 from ..run.run_state import RunState
 from ..scatter_gather import even_sizes, weighted_sizes
 from ..telemetry.rank import RankTelemetry
 from ..telemetry.sample import DeviceSample
 from .channel import error_report
 from .config import RankConfig
-from .messages import Decision, ErrorReport, Finished, Forward, Published, Ready, Restart, Steer
-
-HEARTBEAT_S = 0.5  # while paused, rank 0 wakes the others this often
+from .messages import Decision, ErrorReport, Finished, Ready, Restart
+from .rank0_steering import HostLost, Rank0Steering
 # No --step-timeout: a collective may wait this long (a slow rank is not a dead one; the host
 # catches a dead rank by its process ending, and a frozen one by its missing heartbeat).
 NO_STEP_TIMEOUT = timedelta(days=7)
@@ -67,15 +61,8 @@ ErrorSink = Callable[[ErrorReport], None]
 _RETIRED: list[dict] = []  # finished ranks' state, kept alive on purpose (see RankLoop.run)
 
 
-class HostLost(Exception):
-    """Rank 0's channel to the host closed: the host is gone, so the run is over."""
-
-
 class RankLoop(EpochLoop):
-    """Train as rank `rank` of `config`; rank 0 also talks to the host over `host`.
-
-    Rank 0 handles the host's messages in `_apply()`; pause takes effect in `_decide()`.
-    """
+    """Train as rank `rank` of `config`; rank 0 also talks to the host over `host` (its `_steering`)."""
 
     def __init__(
         self,
@@ -89,7 +76,7 @@ class RankLoop(EpochLoop):
         self.cfg = config
         self.rank = rank
         self.world = config.world_size
-        self.host = host if rank == 0 else None
+        self._steering = Rank0Steering(host, config) if rank == 0 else None
         self._report = report
         self._store = store  # under torchrun: this run's PrefixStore for the process group
         self.name = config.devices[rank]
@@ -101,13 +88,6 @@ class RankLoop(EpochLoop):
         self.checkpoint = Path(config.checkpoint) if config.checkpoint and rank == 0 else None
         self.checkpoint_every = config.checkpoint_every
         self.phase = "setup"
-        # Rank 0's steering state, as the host left it.
-        self._paused = config.paused
-        self._stop = config.stop
-        self._pending = PendingChanges()  # numbered by the host
-        self._acked = 0
-        self._announced_pause = False
-        self._awaiting: int | None = None  # the step the host has not yet published
         self._last_sample = -math.inf
         self._sample_now = False  # this step's boundary asked every rank for a telemetry sample
         self._telemetry: RankTelemetry | None = None
@@ -115,8 +95,6 @@ class RankLoop(EpochLoop):
         if not isinstance(balance, str) and len(balance) != self.world:
             balance = "even"  # weights for another set of devices
         self._set_balance(balance)
-        for change in config.changes:
-            self._apply(change)
 
     # -- the whole run ---------------------------------------------------------------
 
@@ -168,14 +146,14 @@ class RankLoop(EpochLoop):
         model = self.workload.model
         model.to(self.device if self.device.type == "cuda" else "cpu")
         self._optimizer = self.workload.make_optimizer(cfg.lr)
-        self._run = RunState(cfg.started)
+        self._run_state = RunState(cfg.started)
         if cfg.state is not None:
-            self._batch_size = restore_restart(Path(cfg.state), self._run, model, self._optimizer)
+            self._batch_size = restore_restart(Path(cfg.state), self._run_state, model, self._optimizer)
             move_optimizer_state(self._optimizer, self.device)
         elif cfg.resume is not None:
             # The saved optimizer state brings its own lr; an explicit --lr wins (as Trainer).
             lr = cfg.lr if cfg.explicit_lr else None
-            restore_run(as_checkpoint(cfg.resume), self._run, model, self._optimizer, lr)
+            restore_run(as_checkpoint(cfg.resume), self._run_state, model, self._optimizer, lr)
             move_optimizer_state(self._optimizer, self.device)
         # A rank's own randomness (dropout): reproducible, and not the same stream on every rank.
         torch.manual_seed((cfg.seed * 1_000_003 + 7919 * (self.rank + 1) + cfg.generation) % 2**63)
@@ -207,10 +185,10 @@ class RankLoop(EpochLoop):
 
     def _train(self) -> None:
         if self._balance != "even" or self.cfg.balance != "even":
-            self._announce_split(self._run.step + 1)
+            self._announce_split(self._run_state.step + 1)
         result = self.train_epochs()
         if result is not None:
-            self._send(Finished(result, self._acked))  # rank 0's only: others have no host
+            self._send(Finished(result, self._acked))
 
     def _save_checkpoint(self, path: Path) -> None:
         before, self.phase = self.phase, "checkpoint"
@@ -221,14 +199,14 @@ class RankLoop(EpochLoop):
         return self.ddp.module
 
     def _epoch_finished(self, event: EpochFinished) -> None:
-        self._send(Forward(event, self._acked))
+        self._event(event)
 
     # -- step boundaries ---------------------------------------------------------------
 
     def _boundary(self) -> Boundary:
         """Agree with every rank on what happens next (one broadcast from rank 0)."""
         while True:
-            box = [self._decide() if self.rank == 0 else None]
+            box = [self._decide() if self._steering is not None else None]
             dist.broadcast_object_list(box, src=0)
             decision: Decision = box[0]
             if decision.action != "wait":
@@ -243,106 +221,73 @@ class RankLoop(EpochLoop):
         if decision.batch is not None:
             self._batch_size = decision.batch
         if decision.balance is not None:
-            self._set_balance(decision.balance)
-            self._announce_split(self._run.step + 1)
+            self._set_balance(decision.balance)  # rank 0's steering announced it
         self._sample_now = decision.telemetry
         return Boundary.STEP
 
     def _decide(self) -> Decision:
-        self._drain(0.0)
-        if self._awaiting is not None:
-            # The host publishes each step before the next one starts, as Trainer's subscribers
-            # run inside its step: what they ask for applies at the very next boundary.
-            self._drain(HEARTBEAT_S, until=lambda: self._awaiting is None)
-            if self._awaiting is not None:
-                return Decision("wait", telemetry=self._sample_due())
-        if self._paused and not self._stop:
-            if not self._announced_pause:
-                self._announced_pause = True
-                self._event(StateChanged("paused"))
-            self._drain(HEARTBEAT_S)
-            if self._paused and not self._stop:
-                return Decision("wait", telemetry=self._sample_due())
-        if self._announced_pause:
-            self._announced_pause = False
-            if not self._stop:
-                self._event(StateChanged("running"))
-        if self._stop:
-            return Decision("stop")
-        taken = self._pending.take()
-        if taken is None:
-            return Decision("step", telemetry=self._sample_due())
-        self._acked = taken.seq
-        batch = taken.batch_size or self._batch_size
-        if taken.devices is not None and taken.devices != self.devices:
-            if taken.balance is not None:
-                # The next generation starts with it (the host keeps what this says).
-                step = self._run.step + 1
-                self._event(SplitChanged(step, balance_name(taken.balance), _weights_of(taken.balance)))
-            return Decision("restart", batch=batch, devices=taken.devices)
-        if taken.batch_size is None and taken.devices is None:
-            return Decision("step", telemetry=self._sample_due(), balance=taken.balance)
-        self._event(ConfigChanged(batch, self.devices, self._run.step + 1))
-        return Decision("step", telemetry=self._sample_due(), batch=batch, balance=taken.balance)
+        return self._steering.decide(self._run_state.step + 1, self._batch_size, self.devices, self._sample_due)
 
-    def _drain(self, timeout: float, until: Callable[[], bool] | None = None) -> None:
-        """Apply every command the host sent; wait up to `timeout` for the first (or for `until`)."""
-        host = self.host
-        deadline = time.monotonic() + timeout
-        try:
-            while host.poll(max(0.0, deadline - time.monotonic())):
-                self._apply(host.recv())
-                while host.poll(0):
-                    self._apply(host.recv())
-                if until is None or until():
-                    return
-        except (EOFError, OSError) as error:
-            raise HostLost() from error
-
-    def _apply(self, message: Steer | Change | Published) -> None:
-        """Where rank 0 handles a message from the host."""
-        if isinstance(message, Steer):
-            if message.command == "stop":
-                self._stop = True
-            else:
-                self._paused = message.command == "pause"
-        elif isinstance(message, Change):
-            self._pending.ask(
-                batch_size=message.batch_size, devices=message.devices, balance=message.balance, seq=message.seq
-            )
-        elif isinstance(message, Published):
-            if self._awaiting is not None and message.step >= self._awaiting:
-                self._awaiting = None
+    @property
+    def _acked(self) -> int:
+        return self._steering.acked if self._steering is not None else 0
 
     def _event(self, event: Event) -> None:
-        self._send(Forward(event, self._acked))
+        if self._steering is not None:
+            self._steering.event(event)
 
-    def _send(self, message: Ready | Forward | Finished | Restart) -> None:
-        if self.host is None:
-            return
-        try:
-            self.host.send(message)
-        except OSError as error:
-            raise HostLost() from error
+    def _send(self, message: Ready | Finished | Restart) -> None:
+        if self._steering is not None:  # rank 0's: the others have no host
+            self._steering.send(message)
 
     # -- one step ------------------------------------------------------------------------
 
     def _step(self, indices: torch.Tensor) -> None:
-        run, dataset = self._run, self.workload.dataset
+        """This rank's chunk of the global batch: train on it, gather every rank's record to rank 0."""
         started = time.perf_counter()
         rows = len(indices)
         sizes = self._sizes(rows)
         mine = sizes[self.rank] if self.rank < len(sizes) else 0
-        first = sum(sizes[: self.rank])
+        inputs, targets = self._load_chunk(indices, sum(sizes[: self.rank]), mine)
+        loaded = time.perf_counter()
+        probe = ReplicaProbe(self.rank, self.device, self.name, 0)
+        output, share, forward_ms, backward_ms = self._train_chunk(probe, inputs, targets, mine, rows)
+        split = self._split_kind()  # before _observe may change it
+        plan = self._observe(sizes, forward_ms) if self._balancer is not None else None
+        payload = {
+            "record": probe.record() if mine else None,
+            "loss": share,
+            "load_ms": (loaded - started) * 1000.0,
+            "forward_ms": forward_ms,
+            "backward_ms": backward_ms,
+            "sample": self._sample() if self._sample_now else None,
+        }
+        if self.rank == 0:
+            payload["shapes"] = _outside_shapes(inputs, output, rows)
+        gathered: list | None = [None] * self.world if self.rank == 0 else None
+        gather_started = time.perf_counter()
+        dist.gather_object(payload, gathered, dst=0)
+        gather_ms = (time.perf_counter() - gather_started) * 1000.0
+        loss = sum(p["loss"] for p in gathered) if gathered is not None else 0.0
+        self._run_state.after_step(rows, loss)
+        if gathered is not None:
+            self._publish_step(started, rows, loss, gathered, gather_ms, split, plan)
+
+    def _load_chunk(self, indices: torch.Tensor, first: int, mine: int) -> tuple[Any, Any]:
+        """The `mine` rows from `first` on of the global batch, on this rank's device."""
         if mine:
-            inputs, targets = batch_of(dataset, indices[first : first + mine])
+            inputs, targets = batch_of(self.workload.dataset, indices[first : first + mine])
         else:  # no chunk for this rank this step: the right structure, zero rows
-            inputs, targets = _no_rows(batch_of(dataset, indices[:1]))
+            inputs, targets = _no_rows(batch_of(self.workload.dataset, indices[:1]))
         if self.device.type == "cuda":
             inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
-        loaded = time.perf_counter()
+        return inputs, targets
 
-        probe = ReplicaProbe(self.rank, self.device, self.name, 0)
+    def _train_chunk(self, probe: ReplicaProbe, inputs: Any, targets: Any, mine: int, rows: int):
+        """Forward (through `probe`), backward (of the chunk's loss weighted by its share of the
+        batch, see above) and the optimizer's step: (output, the rank's share of the batch's mean
+        loss, forward ms, backward ms)."""
+        before = time.perf_counter()
         output = probe.run(self.ddp, (inputs,), {}, _nothing)
         forward_done = time.perf_counter()
         if mine:
@@ -357,33 +302,18 @@ class RankLoop(EpochLoop):
         backward_done = time.perf_counter()
         self._optimizer.step()
         share = loss.item() * mine / rows if loss is not None else 0.0
-        split, weights, balanced = self._split_kind()  # before _observe may change it
-        plan = self._observe(sizes, (forward_done - loaded) * 1000.0) if self._balancer is not None else None
+        return output, share, (forward_done - before) * 1000.0, (backward_done - backward_started) * 1000.0
 
-        sample = self._sample() if self._sample_now else None
-        payload = {
-            "record": probe.record() if mine else None,
-            "loss": share,
-            "load_ms": (loaded - started) * 1000.0,
-            "forward_ms": (forward_done - loaded) * 1000.0,
-            "backward_ms": (backward_done - backward_started) * 1000.0,
-            "sample": sample,
-        }
-        if self.rank == 0:
-            payload["shapes"] = _outside_shapes(inputs, output, rows)
-        gathered: list | None = [None] * self.world if self.rank == 0 else None
-        gather_started = time.perf_counter()
-        dist.gather_object(payload, gathered, dst=0)
-        gather_ms = (time.perf_counter() - gather_started) * 1000.0
-        loss_value = sum(p["loss"] for p in gathered) if gathered is not None else 0.0
-        run.after_step(rows, loss_value)
-        if self.rank != 0:
-            return
+    def _publish_step(self, started: float, rows: int, loss: float, gathered: list[dict], gather_ms: float,
+                      split: tuple[str, tuple[float, ...], bool], plan: BalancePlan | None) -> None:
+        """Rank 0: the step's record from every rank's payload, and its events to the host."""
+        run = self._run_state
         # Only rank 0 has the whole loss: its error ends the run (after this step: see
         # EpochLoop._keep_finite_weights).
-        check_loss(loss_value, run.step, run.epoch)
+        check_loss(loss, run.step, run.epoch)
         seconds = time.perf_counter() - started
-        input_shape, output_shape, input_shapes, output_shapes = payload["shapes"]
+        input_shape, output_shape, input_shapes, output_shapes = gathered[0]["shapes"]
+        own = gathered[0]
         record = StepRecord(
             step=run.step,
             dim=0,
@@ -395,20 +325,20 @@ class RankLoop(EpochLoop):
             replicate_ms=0.0,  # DDP keeps a replica per rank: nothing to copy per step
             apply_ms=max(p["forward_ms"] for p in gathered),
             gather_ms=gather_ms,  # the records reaching rank 0
-            total_ms=(forward_done - started) * 1000.0,
+            total_ms=own["load_ms"] + own["forward_ms"],
             backward_ms=max(p["backward_ms"] for p in gathered),  # with the gradient all-reduce
-            split=split, split_weights=weights, balanced=balanced,
+            split=split[0], split_weights=split[1], balanced=split[2],
             even_ms=plan.even_ms if plan is not None else None,
         )
         if plan is not None and plan.changed:
             self._event(SplitChanged(run.step + 1, "auto", plan.weights, by_balancer=True))
         self._event(
             run.step_event(
-                rows, loss_value, samples=len(dataset), batch_size=self._batch_size, seconds=seconds,
+                rows, loss, samples=len(self.workload.dataset), batch_size=self._batch_size, seconds=seconds,
                 input_shape=input_shape, output_shape=output_shape, record=record,
             )
         )
-        self._awaiting = run.step
+        self._steering.await_published(run.step)
         samples = tuple(p["sample"] for p in gathered if p["sample"] is not None)
         if samples:
             self._event(TelemetrySampled(samples))
@@ -417,7 +347,7 @@ class RankLoop(EpochLoop):
 
     def _set_balance(self, balance: Balance) -> None:
         self._balance = balance
-        self._weights = _weights_of(balance)  # () while torch's even rule cuts
+        self._weights = balance_weights(balance)  # () while torch's even rule cuts
         self._by_balancer = False
         self._balancer = Balancer(self.world) if balance == "auto" and self.world > 1 else None
 
@@ -460,14 +390,14 @@ class RankLoop(EpochLoop):
         if self.rank != 0:
             return
         self.phase = "save"
-        run = self._run
+        run = self._run_state
         counters = run.counters()
         if run.position == 0:
             # The epoch was begun but no step ran: the next generation begins it again.
             counters = dataclasses.replace(counters, epoch=counters.epoch - 1)
         path = Path(self.cfg.state_dir) / f"state-{self.cfg.generation + 1}.pt"
         save_restart(path, counters, self.ddp.module, self._optimizer, decision.batch)
-        self._send(Restart(decision.devices, decision.batch, str(path), run.step, self._acked))
+        self._send(Restart(decision.devices, decision.batch, str(path), run.step, self._acked, decision.request))
 
     # -- telemetry: each rank samples its own process / GPU ------------------------------
 
@@ -507,10 +437,6 @@ def _own_device(config: RankConfig, rank: int, local_rank: int | None) -> torch.
             return torch.device("cuda", local_rank if local_rank is not None else 0)
         return parse_device(config.devices[rank])
     return torch.device("cpu", rank)
-
-
-def _weights_of(balance: Balance) -> tuple[float, ...]:
-    return () if isinstance(balance, str) else normalized(balance)
 
 
 def _nothing() -> None:

@@ -14,6 +14,10 @@ from typing import Any, Union
 from ..records import StepRecord
 from ..telemetry.sample import DeviceSample
 
+# What the fields of a log mean, as `run_started` says it. Readers skip fields and event types
+# they do not know, so new ones leave it as it is: bump it only when a field changes meaning.
+LOG_FORMAT = 1
+
 
 @dataclass(frozen=True, slots=True)
 class RunConfig:
@@ -34,6 +38,7 @@ class RunConfig:
 @dataclass(frozen=True, slots=True)
 class RunStarted:
     config: RunConfig
+    format: int = LOG_FORMAT  # of the log that carries it (events.LOG_FORMAT)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,11 +75,12 @@ class TelemetrySampled:
 class StateChanged:
     """The run paused or went on at a step boundary: state is "paused" or "running".
 
-    Requested changes are not events: whoever asked shows them as pending until the
-    ConfigChanged that applies them.
+    Requests are not events: whoever asked shows them as pending until the event whose
+    `request` is their number (a `Run`'s steering methods return it), or a later one.
     """
 
     state: str
+    request: int | None = None  # the pause() or resume() this answers
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +90,7 @@ class ConfigChanged:
     batch_size: int
     devices: tuple[str, ...]
     step: int  # the first step that runs with it
+    request: int | None = None  # the newest set_batch_size() / set_devices() this answers
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +101,7 @@ class SplitChanged:
     balance: str  # what is in force: "even", "auto" or "weights"
     weights: tuple[float, ...] = ()  # per device, summing to 1; () while torch's even rule cuts
     by_balancer: bool = False  # the auto-balancer chose these weights from measured times
+    request: int | None = None  # the set_balance() this answers; None: not asked for (the balancer, --balance)
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,6 +29,7 @@ from typing import Any
 
 from ..records import StepRecord
 from .events import (
+    LOG_FORMAT,
     ConfigChanged,
     EpochFinished,
     Event,
@@ -41,8 +42,9 @@ from .events import (
     TelemetrySampled,
 )
 
-# The newest log format this reader knows; a log without `format` on its run_started is format 1.
-KNOWN_FORMAT = 2
+# The newest log format this reader knows (the one this version writes); a log without `format` on
+# its run_started is format 1.
+KNOWN_FORMAT = LOG_FORMAT
 
 
 class EventLogError(ValueError):
@@ -187,8 +189,13 @@ def _step(data: dict[str, Any]) -> StepFinished:
     return _plan(StepFinished)({**data, "record": record})
 
 
+def _run_started(data: dict[str, Any]) -> RunStarted:
+    # A log from before `format` was written is of format 1.
+    return _plan(RunStarted)({"format": 1, **data})
+
+
 _DECODERS: dict[str, Callable[[dict[str, Any]], Any]] = {
-    "run_started": _plan(RunStarted),
+    "run_started": _run_started,
     "step": _step,
     "epoch": _plan(EpochFinished),
     "telemetry": _plan(TelemetrySampled),

@@ -36,11 +36,11 @@ class EpochLoop:
     checkpoint: Path | None  # written at the end, on stop, and every `checkpoint_every` steps
     checkpoint_every: int | None
     _batch_size: int  # the global batch size in force
-    _run: RunState
+    _run_state: RunState
 
     def train_epochs(self) -> RunFinished | None:
         """Train until the epochs are done or a boundary stops; None when handed over."""
-        run = self._run
+        run = self._run_state
         samples = len(self.workload.dataset)
         while self.epochs is None or run.epoch < self.epochs or run.position > 0:
             if run.position == 0:
@@ -64,15 +64,15 @@ class EpochLoop:
     def _finish(self, stopped: bool) -> RunFinished:
         if self.checkpoint is not None:
             self._save_checkpoint(self.checkpoint)
-        return self._run.finished(stopped)
+        return self._run_state.finished(stopped)
 
     def _save_checkpoint(self, path: Path) -> None:
         """The one place a run's checkpoint is written."""
-        save_run(path, self._run, self._model_to_save(), self._optimizer, self._batch_size, self.seed)
+        save_run(path, self._run_state, self._model_to_save(), self._optimizer, self._batch_size, self.seed)
 
     def _after_step(self) -> None:
         """After each step, before the next boundary: `--checkpoint-every`, so a kill -9 loses at most N steps."""
-        if self.checkpoint is not None and checkpoint_due(self._run.step, self.checkpoint_every):
+        if self.checkpoint is not None and checkpoint_due(self._run_state.step, self.checkpoint_every):
             self._save_checkpoint(self.checkpoint)
 
     def _keep_finite_weights(self) -> None:

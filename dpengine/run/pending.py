@@ -4,6 +4,8 @@ Steering comes from any thread and takes effect at the next step boundary. `Pend
 keeps what was asked, numbered in order: the threaded Trainer takes it all at a boundary;
 DdpTrainer forwards each change to rank 0 and forgets it once rank 0 says it applied it,
 handing what is left to the next generation of ranks; rank 0 keeps its own copy the same way.
+The numbers are the requests' (pause and resume take theirs from the same count): the event
+that applies a change carries its number as `request`, so the UI knows which request it answers.
 """
 
 from __future__ import annotations
@@ -35,6 +37,12 @@ class Taken:
     devices: tuple[Hashable, ...] | None
     balance: Balance | None
     seq: int
+    changes: tuple[Change, ...] = ()  # the newest change of each kind, as asked
+
+    def request(self, *kinds: str) -> int | None:
+        """The newest request number among the changes of `kinds` taken ("batch_size", "devices", "balance")."""
+        numbers = [c.seq for c in self.changes if any(getattr(c, kind) is not None for kind in kinds)]
+        return max(numbers, default=None)
 
 
 class PendingChanges:
@@ -58,13 +66,20 @@ class PendingChanges:
                     self._newest[kind] = change
             return change
 
+    def number(self) -> int:
+        """A number for a request kept elsewhere (pause, resume), in the same order as the changes."""
+        with self._lock:
+            self._seq += 1
+            return self._seq
+
     def take(self) -> Taken | None:
         """Everything asked for, now applied (None if nothing was)."""
         with self._lock:
             if not self._newest:
                 return None
             wanted = {kind: getattr(self._newest[kind], kind) if kind in self._newest else None for kind in _KINDS}
-            taken = Taken(**wanted, seq=max(c.seq for c in self._newest.values()))
+            newest = tuple(self._newest.values())
+            taken = Taken(**wanted, seq=max(c.seq for c in newest), changes=newest)
             self._newest.clear()
             return taken
 

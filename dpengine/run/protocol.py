@@ -34,7 +34,9 @@ class Run(Protocol):
     """One run, driven from another thread: `run()` blocks, everything else may come from anywhere.
 
     Steering takes effect at the next step boundary and is reported by events
-    (`StateChanged`, `ConfigChanged`, `SplitChanged`), never by the return value.
+    (`StateChanged`, `ConfigChanged`, `SplitChanged`). Each steering method but stop() returns
+    the request's number, in the order asked; the event that answers it carries that number (or
+    a later request's, of the same kind, that it answers too) as `request`.
     """
 
     controls: frozenset[str]  # which of PAUSE, BATCH_SIZE, DEVICES, BALANCE apply
@@ -45,22 +47,22 @@ class Run(Protocol):
     def subscribe(self, callback: Subscriber) -> Callable[[], None]:
         """Every event, in the run's threads; returns a function that unsubscribes."""
 
-    def pause(self) -> None:
+    def pause(self) -> int:
         """Pause at the next step boundary; ControlUnsupported unless PAUSE is in `controls`."""
 
-    def resume(self) -> None:
+    def resume(self) -> int:
         """Go on after pause(); ControlUnsupported unless PAUSE is in `controls`."""
 
     def stop(self) -> None:
         """End at the next step boundary; every run can be stopped."""
 
-    def set_batch_size(self, batch_size: int) -> None:
+    def set_batch_size(self, batch_size: int) -> int:
         """A new global batch size from the next step; ValueError if bad, ControlUnsupported if not offered."""
 
-    def set_devices(self, devices: Sequence[str]) -> None:
+    def set_devices(self, devices: Sequence[str]) -> int:
         """Train on `devices` from the next step; ValueError if bad, ControlUnsupported if not offered."""
 
-    def set_balance(self, balance: str | tuple[float, ...]) -> None:
+    def set_balance(self, balance: str | tuple[float, ...]) -> int:
         """Cut batches "even", "auto" or by one weight per device from the next step; ValueError
         if bad, ControlUnsupported if not offered."""
 
@@ -70,3 +72,6 @@ class Run(Protocol):
 
     def config(self) -> RunConfig:
         """The run's resolved configuration (as RunStarted carries it)."""
+
+
+RunFactory = Callable[[], Run]  # builds a fresh run (the UI's `r` builds another): a trainer, a script, a log

@@ -109,19 +109,19 @@ class RecordedRun(Publisher):
         """Stop reading (a followed file is polled, so this takes effect within poll_s)."""
         self._stop.set()
 
-    def pause(self) -> None:
+    def pause(self) -> int:
         raise ControlUnsupported(PAUSE, "Cannot pause: this is a recording.")
 
-    def resume(self) -> None:
+    def resume(self) -> int:
         raise ControlUnsupported(PAUSE, "Cannot resume: this is a recording.")
 
-    def set_batch_size(self, batch_size: int) -> None:
+    def set_batch_size(self, batch_size: int) -> int:
         raise ControlUnsupported(BATCH_SIZE, "Cannot change the batch size: this is a recording.")
 
-    def set_devices(self, devices: Sequence[str]) -> None:
+    def set_devices(self, devices: Sequence[str]) -> int:
         raise ControlUnsupported(DEVICES, "Cannot change the devices: this is a recording.")
 
-    def set_balance(self, balance: str | tuple[float, ...]) -> None:
+    def set_balance(self, balance: str | tuple[float, ...]) -> int:
         raise ControlUnsupported(BALANCE, "Cannot change the split: this is a recording.")
 
     @property

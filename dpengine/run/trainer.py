@@ -8,14 +8,13 @@ optimizer state carry over, and the epoch goes on at the new batch size.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Sequence
 
 import torch
 
-from ..balance import Balance, balance_name, check_balance, normalized, split_options
+from ..balance import Balance, balance_name, balance_weights, check_balance, split_options
 from ..data_parallel import DataParallel
 from ..devices import DeviceLike, available_devices, device_name, resolve_devices
 from ..eventlog.events import (
@@ -31,69 +30,55 @@ from ..eventlog.events import (
 )
 from ..telemetry import TelemetryPoller, TelemetrySource, open_telemetry
 from .batches import batch_of, move_optimizer_state, to_device
-from .checkpoint import Checkpoint, restore_run
+from .checkpoint import restore_run
 from .epoch_loop import Boundary, EpochLoop
 from .failures import check_loss, run_failed
+from .options import RunOptions, check_batch_size
+from .pending import Taken
 from .run_state import RunState
-from .trainer_base import TrainerBase, check_batch_size
+from .trainer_base import TrainerBase
 from .workloads import Workload
 
 
 class Trainer(TrainerBase, EpochLoop):
-    """A `dpengine.Run` on the threaded DataParallel; pause takes effect in `_boundary()`."""
+    """A `dpengine.Run` on the threaded DataParallel; a pause takes effect in `_wait_while_paused()`."""
 
     def __init__(
-        self,
-        workload: Workload,
-        devices: Sequence[DeviceLike],
-        *,
-        batch_size: int | None = None,
-        epochs: int | None = 1,
-        lr: float | None = None,
-        seed: int | None = None,
-        telemetry: TelemetrySource | None = None,
-        telemetry_interval: float | None = 1.0,
-        available: Sequence[DeviceLike] | None = None,
-        checkpoint: str | os.PathLike | None = None,
-        resume: str | os.PathLike | Checkpoint | None = None,
-        balance: Balance = "even",
-        checkpoint_every: int | None = None,
+        self, workload: Workload, devices: Sequence[DeviceLike], options: RunOptions = RunOptions(), *,
+        telemetry: TelemetrySource | None = None, available: Sequence[DeviceLike] | None = None,
     ) -> None:
-        """`resume`: a checkpoint file, or one already read (`dpengine.run.checkpoint.read_checkpoint`).
+        """`options.resume`: a checkpoint file, or one already read (`dpengine.run.checkpoint.read_checkpoint`).
 
-        `balance`: how batches are cut, "even" (torch's rule), "auto" or one weight per device.
+        `telemetry`: a source to poll instead of the devices' own; `available`: what set_devices()
+        may choose from (by default the devices of the same kind there are).
         """
         self.workload = workload
         self._devices = resolve_devices(devices)
         self._available = resolve_devices(available) if available else available_devices(self._devices)
-        super().__init__(
-            workload, batch_size=batch_size, epochs=epochs, lr=lr, seed=seed, telemetry=telemetry,
-            telemetry_interval=telemetry_interval, checkpoint=checkpoint, resume=resume,
-            lock=threading.Condition(), checkpoint_every=checkpoint_every,
-        )
+        super().__init__(workload, options, telemetry=telemetry, lock=threading.Condition())
         self._dp: DataParallel | None = None
-        self._balance = check_balance(balance, len(self._devices))
+        self._balance = check_balance(options.balance, len(self._devices))
         self._split_weights: tuple[float, ...] = ()  # the weights of the last step, to see changes
 
     # -- steering, from any thread (pause/resume/stop: TrainerBase) -------------
 
-    def _tell(self, command: str) -> None:
-        self._lock.notify_all()  # wakes _boundary(), which reads the flags itself
+    def _tell(self, command: str, request: int | None) -> None:
+        self._lock.notify_all()  # wakes _wait_while_paused(), which reads the flags itself
 
-    def set_batch_size(self, batch_size: int) -> None:
-        self._pending.ask(batch_size=check_batch_size(batch_size))
+    def set_batch_size(self, batch_size: int) -> int:
+        return self._pending.ask(batch_size=check_batch_size(batch_size)).seq
 
-    def set_devices(self, devices: Sequence[DeviceLike]) -> None:
+    def set_devices(self, devices: Sequence[DeviceLike]) -> int:
         resolved = resolve_devices(devices)
         unknown = [device_name(d) for d in resolved if d not in self._available]
         if unknown:
             names = ", ".join(device_name(d) for d in self._available)
             raise ValueError(f"device {unknown[0]} is not available to this run (available: {names})")
-        self._pending.ask(devices=tuple(resolved))
+        return self._pending.ask(devices=tuple(resolved)).seq
 
-    def set_balance(self, balance: Balance) -> None:
+    def set_balance(self, balance: Balance) -> int:
         """"even", "auto" or one weight per device, from the next step on."""
-        self._pending.ask(balance=check_balance(balance, len(self._devices)))
+        return self._pending.ask(balance=check_balance(balance, len(self._devices))).seq
 
     @property
     def balance(self) -> Balance:
@@ -122,7 +107,7 @@ class Trainer(TrainerBase, EpochLoop):
         """Train until the epochs are done or stop() is called; never raises for training errors."""
         poller = None
         started = time.perf_counter()
-        self._run = RunState(started)
+        self._run_state = RunState(started)
         try:
             self._publish(RunStarted(self.config()))
             poller = self._start_telemetry()
@@ -155,46 +140,55 @@ class Trainer(TrainerBase, EpochLoop):
         self._optimizer = self.workload.make_optimizer(self.lr)
         if self.resume_from is not None:
             # The saved optimizer state brings its own lr; an explicit --lr wins.
-            restore_run(self.resume_from, self._run, model, self._optimizer, self.lr if self._explicit_lr else None)
+            lr = self.lr if self._explicit_lr else None
+            restore_run(self.resume_from, self._run_state, model, self._optimizer, lr)
             move_optimizer_state(self._optimizer, self._devices[0])
         self._dp = DataParallel(model, self._devices, **split_options(self._balance))
         if self._balance != "even":
-            self._publish_split(self._run.step + 1)
+            self._publish_split(self._run_state.step + 1)
         return self.train_epochs()
 
     def _boundary(self) -> Boundary:
-        """Where pause, stop and pending changes take effect: between two steps."""
+        """Between two steps: pause, stop and pending changes take effect here."""
         with self._lock:
-            if self._paused and not self._stop:
-                self._publish(StateChanged("paused"))
-                while self._paused and not self._stop:
-                    self._lock.wait()
-                if not self._stop:
-                    self._publish(StateChanged("running"))
+            self._wait_while_paused()
             if self._stop:
                 return Boundary.STOP
             taken = self._pending.take()
-        if taken is None:
-            return Boundary.STEP
+        if taken is not None:
+            self._apply_changes(taken)
+        return Boundary.STEP
+
+    def _wait_while_paused(self) -> None:
+        """Where a pause takes effect (with the lock held): say so, and wait for resume() or stop()."""
+        if self._paused and not self._stop:
+            self._publish(StateChanged("paused", self._state_request))
+            while self._paused and not self._stop:
+                self._lock.wait()
+            if not self._stop:
+                self._publish(StateChanged("running", self._state_request))
+
+    def _apply_changes(self, taken: Taken) -> None:
         switch = taken.devices is not None and list(taken.devices) != self._devices
         if taken.balance is not None:
             self._balance = taken.balance
             if not switch:
                 self._dp.set_split(**split_options(taken.balance))
-                self._publish_split(self._run.step + 1)
+                self._publish_split(self._run_state.step + 1, taken.request("balance"))
         if taken.batch_size is None and taken.devices is None:
-            return Boundary.STEP
+            return
         if taken.batch_size is not None:
             self._batch_size = taken.batch_size
         if switch:
-            self._switch_devices(list(taken.devices), announce=taken.balance is not None)
-        self._publish(ConfigChanged(self._batch_size, self.devices, self._run.step + 1))
-        return Boundary.STEP
+            self._switch_devices(list(taken.devices), taken.request("balance"))
+        request = taken.request("batch_size", "devices")
+        self._publish(ConfigChanged(self._batch_size, self.devices, self._run_state.step + 1, request))
 
     def _epoch_finished(self, event: EpochFinished) -> None:
         self._publish(event)
 
-    def _switch_devices(self, devices: list[torch.device], announce: bool) -> None:
+    def _switch_devices(self, devices: list[torch.device], balance_request: int | None) -> None:
+        """Train on `devices` from the next step; `balance_request`: a split change taken with it."""
         if devices[0] != self._devices[0]:
             self._move_model(devices[0])
             move_optimizer_state(self._optimizer, devices[0])
@@ -204,12 +198,12 @@ class Trainer(TrainerBase, EpochLoop):
         if not fits:
             self._balance = "even"  # the weights were for the old devices
         # A fresh auto-balancer starts from an even split again: say so too.
-        if announce or not fits or self._balance == "auto":
-            self._publish_split(self._run.step + 1)
+        if balance_request is not None or not fits or self._balance == "auto":
+            self._publish_split(self._run_state.step + 1, balance_request)
         self._dp = DataParallel(self.workload.model, devices, **split_options(self._balance))
 
     def _step(self, indices: torch.Tensor) -> None:
-        run, dataset, optimizer = self._run, self.workload.dataset, self._optimizer
+        run, dataset, optimizer = self._run_state, self.workload.dataset, self._optimizer
         step_started = time.perf_counter()
         inputs, targets = batch_of(dataset, indices)
         if self._devices[0].type == "cuda":
@@ -237,11 +231,10 @@ class Trainer(TrainerBase, EpochLoop):
             )
         )
 
-    def _publish_split(self, step: int) -> None:
-        balance = self._balance
-        weights = () if isinstance(balance, str) else normalized(balance)
+    def _publish_split(self, step: int, request: int | None = None) -> None:
+        weights = balance_weights(self._balance)
         self._split_weights = weights
-        self._publish(SplitChanged(step, balance_name(balance), weights))
+        self._publish(SplitChanged(step, balance_name(self._balance), weights, request=request))
 
     def _move_model(self, device: torch.device) -> None:
         self.workload.model.to(device if device.type == "cuda" else "cpu")

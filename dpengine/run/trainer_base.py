@@ -1,8 +1,10 @@
-"""`TrainerBase`: the options and the steering both trainers (`Trainer`, `DdpTrainer`) expose.
+"""`TrainerBase`: the options (`RunOptions`, resolved) and the steering both trainers (`Trainer`, `DdpTrainer`) expose.
 
 pause(), resume() and stop() come from any thread: each sets its flag under `lock`, then
 `_tell()`s the run loop, which acts on it at the next step boundary. Batch size, device and
 split changes wait in `PendingChanges` (dpengine/run/pending.py) until a boundary applies them.
+Each request but stop() gets a number, returned to the caller and carried by the event that
+answers it (`request`).
 """
 
 from __future__ import annotations
@@ -13,17 +15,11 @@ from pathlib import Path
 
 from ..eventlog.events import Publisher, RunConfig
 from ..telemetry import TelemetrySource
-from .checkpoint import Checkpoint, as_checkpoint
+from .checkpoint import as_checkpoint
+from .options import RunOptions, check_batch_size
 from .pending import PendingChanges
 from .protocol import ALL_CONTROLS
 from .workloads import Workload
-
-
-def check_batch_size(value: int) -> int:
-    """`value` if it is a usable global batch size; a ValueError otherwise."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"batch size must be a whole number of at least 1, not {value!r}")
-    return value
 
 
 class TrainerBase(Publisher):
@@ -36,63 +32,53 @@ class TrainerBase(Publisher):
     controls: frozenset[str] = ALL_CONTROLS
 
     def __init__(
-        self,
-        defaults: Workload,
-        *,
-        batch_size: int | None,
-        epochs: int | None,
-        lr: float | None,
-        seed: int | None,
-        telemetry: TelemetrySource | None,
-        telemetry_interval: float | None,
-        checkpoint: str | os.PathLike | None,
-        resume: str | os.PathLike | Checkpoint | None,
+        self, defaults: Workload, options: RunOptions, *, telemetry: TelemetrySource | None,
         lock: threading.Lock | threading.Condition,
-        checkpoint_every: int | None = None,
     ) -> None:
-        """`defaults` gives the batch size and lr left out; `resume` is read here unless already read."""
+        """`defaults` gives the batch size and lr `options` leave out; `resume` is read here unless already read."""
         super().__init__()
         # Not `self.resume`: that name is the resume() method the UI calls after pause().
-        self.resume_from = as_checkpoint(resume)
+        self.resume_from = as_checkpoint(options.resume)
+        batch_size = options.batch_size
         if batch_size is None and self.resume_from is not None:
             batch_size = self.resume_from.batch_size  # resuming goes on at the batch size the run had
         self._batch_size = check_batch_size(batch_size if batch_size is not None else defaults.batch_size)
-        self._explicit_lr = lr is not None
-        if epochs is not None and epochs < 0:
-            raise ValueError(f"epochs must be 0 or more, not {epochs}")
-        self.epochs = epochs
-        self.lr = defaults.lr if lr is None else lr
-        self.seed = seed if seed is not None else int.from_bytes(os.urandom(4), "little")
+        self._explicit_lr = options.lr is not None
+        self.epochs = options.epochs
+        self.lr = defaults.lr if options.lr is None else options.lr
+        self.seed = options.seed if options.seed is not None else int.from_bytes(os.urandom(4), "little")
         self._telemetry = telemetry
-        self._telemetry_interval = telemetry_interval
-        self.checkpoint = Path(checkpoint) if checkpoint else None
-        if checkpoint_every is not None and (checkpoint_every < 1 or self.checkpoint is None):
-            raise ValueError(f"checkpoint_every needs a checkpoint path and at least 1 step, not {checkpoint_every}")
-        self.checkpoint_every = checkpoint_every
+        self._telemetry_interval = options.telemetry_interval
+        self.checkpoint = Path(options.checkpoint) if options.checkpoint else None
+        self.checkpoint_every = options.checkpoint_every
         self._lock = lock
         self._paused = False
+        self._state_request: int | None = None  # the number of the last pause() or resume()
         self._stop = False
         self._pending = PendingChanges()
 
     # -- steering, from any thread -------------------------------------------------------
 
-    def pause(self) -> None:
-        with self._lock:
-            self._paused = True
-            self._tell("pause")
+    def pause(self) -> int:
+        return self._set_paused(True, "pause")
 
-    def resume(self) -> None:
+    def resume(self) -> int:
+        return self._set_paused(False, "resume")
+
+    def _set_paused(self, paused: bool, command: str) -> int:
         with self._lock:
-            self._paused = False
-            self._tell("resume")
+            self._paused = paused
+            self._state_request = self._pending.number()
+            self._tell(command, self._state_request)
+            return self._state_request
 
     def stop(self) -> None:
         with self._lock:
             self._stop = True
-            self._tell("stop")
+            self._tell("stop", None)
 
-    def _tell(self, command: str) -> None:
-        """Pass "pause", "resume" or "stop" on to the run loop; called with the lock held."""
+    def _tell(self, command: str, request: int | None) -> None:
+        """Pass "pause", "resume" or "stop" (and its request number) on to the run loop; with the lock held."""
         raise NotImplementedError
 
     @property

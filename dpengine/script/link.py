@@ -52,7 +52,9 @@ class ParentLink:
         self._thread_sources: dict[str, weakref.WeakMethod] = {}
         # Control state, read by every DataParallel forward without a lock (plain attribute reads).
         self.control_version = 0
-        self.target_devices: tuple[str, ...] | None = None
+        # The devices dptui asked for and the request's number: one tuple, so read as one.
+        self.device_request: tuple[tuple[str, ...], int | None] | None = None
+        self._state_request: int | None = None  # the number of the last pause or resume
         self._running = threading.Event()
         self._running.set()
         threading.Thread(target=self._send_loop, name="dptui-run-sender", daemon=True).start()
@@ -88,12 +90,13 @@ class ParentLink:
         """
         self._thread_sources[instance] = weakref.WeakMethod(thread_ids)
 
-    def wait_if_paused(self) -> None:
+    def wait_while_paused(self) -> None:
+        """Where a pause takes effect under `dptui run`: at the script's next DataParallel forward."""
         if self._running.is_set():
             return
-        self.post({"type": "state", "state": "paused"})
+        self.post({"type": "state", "state": "paused", "request": self._state_request})
         self._running.wait()
-        self.post({"type": "state", "state": "running"})
+        self.post({"type": "state", "state": "running", "request": self._state_request})
 
     def flush(self, timeout: float = FLUSH_AT_EXIT_S) -> None:
         """Wait (bounded) until everything queued is written: the last steps of a script that ends."""
@@ -178,12 +181,14 @@ class ParentLink:
 
     def _apply(self, message: dict[str, Any]) -> None:
         op = message.get("op")
-        if op == "pause":
-            self._running.clear()
-        elif op == "resume":
-            self._running.set()
+        if op in ("pause", "resume"):
+            self._state_request = message.get("request")
+            if op == "pause":
+                self._running.clear()
+            else:
+                self._running.set()
         elif op == "devices":
-            self.target_devices = tuple(message["devices"])
+            self.device_request = (tuple(message["devices"]), message.get("request"))
             self.control_version += 1
 
 

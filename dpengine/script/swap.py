@@ -14,7 +14,6 @@ import torch
 import torch.nn.parallel.data_parallel
 
 from ..data_parallel import DataParallel as EngineDataParallel
-from ..data_parallel import _make_split
 from ..devices import device_name, resolve_devices
 from .link import ParentLink
 
@@ -46,31 +45,25 @@ class DataParallel(EngineDataParallel):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         link = _link
         if link is not None:
-            link.wait_if_paused()
+            link.wait_while_paused()
             if link.control_version != self._dptui_control:
                 self._follow_devices(link)
         return super().forward(*inputs, **kwargs)
 
     def _follow_devices(self, link: ParentLink) -> None:
         object.__setattr__(self, "_dptui_control", link.control_version)
-        target = link.target_devices
+        if link.device_request is None:
+            return
+        target, request = link.device_request
         if not target or not self.devices or tuple(device_name(d) for d in self.devices) == target:
             return
         devices = resolve_devices(list(target))
         # GPUs: the module lives on the first device, so only the others may change.
         if devices[0].type != self.devices[0].type or (devices[0].type == "cuda" and devices[0] != self.devices[0]):
             return
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
-        if self.output_device == self.devices[0]:
-            self.output_device = devices[0]
-        self.devices = devices
-        self.device_ids = [d.index if d.type == "cuda" else d for d in devices]
-        self.src_device_obj = devices[0]
-        self._split = _make_split(len(devices), None, "even", None)
+        self.set_devices(devices)
         link.post({"type": "config", "instance": self._dptui_key,
-                   "devices": list(target), "step": self._step + 1})
+                   "devices": list(target), "step": self._step + 1, "request": request})
 
 
 def _creation_site(dp: DataParallel) -> str:

@@ -4,11 +4,13 @@ Child -> dptui, one JSON object per line (steps use the `step` form of dpengine.
   {"type": "dp_created", "instance": KEY, "name": TEXT, "devices": [...]}   (once per KEY)
   {"type": "step", "instance": KEY, ...to_json_dict(StepFinished)}
   {"type": "threads", "instance": KEY, "threads": {device: native thread id}}
-  {"type": "state", "state": "paused" | "running"}
-  {"type": "config", "instance": KEY, "devices": [...], "step": N}
+  {"type": "state", "state": "paused" | "running", "request": R}
+  {"type": "config", "instance": KEY, "devices": [...], "step": N, "request": R}
   {"type": "coalesced", "steps": N}    (steps dropped because dptui fell behind)
 dptui -> child, the control pipe (its EOF means dptui is gone):
-  {"op": "pause"} | {"op": "resume"} | {"op": "devices", "devices": [...]}
+  {"op": "pause", "request": R} | {"op": "resume", "request": R}
+  {"op": "devices", "devices": [...], "request": R}
+R numbers dptui's requests; the state or config that answers one carries it back.
 """
 
 from __future__ import annotations

@@ -92,6 +92,7 @@ class ScriptRun(Publisher):
         self._seen: dict[str, tuple[str, ...]] = {}
         self._threads: dict[str, dict[str, int]] = {}  # per instance: device -> native thread id
         self._steps = self._samples = self._coalesced = 0
+        self._requests = 0  # numbered as a Trainer numbers them; the child's events carry them back
         self.exit_code: int | None = None
 
     # -- what the UI drives -----------------------------------------------------------
@@ -144,11 +145,11 @@ class ScriptRun(Publisher):
         """End the whole group now (dptui itself is going)."""
         self._signal_group(signal.SIGKILL)
 
-    def pause(self) -> None:
-        self._send({"op": "pause"})
+    def pause(self) -> int:
+        return self._send({"op": "pause"})
 
-    def resume(self) -> None:
-        self._send({"op": "resume"})
+    def resume(self) -> int:
+        return self._send({"op": "resume"})
 
     def show_next_instance(self) -> str:
         """Let the panels follow the next DataParallel the script built, from its next step."""
@@ -160,20 +161,20 @@ class ScriptRun(Publisher):
         self._config = None  # its first step starts the panels afresh (a new RunStarted)
         return following
 
-    def set_batch_size(self, n: int) -> None:
+    def set_batch_size(self, n: int) -> int:
         raise ControlUnsupported(BATCH_SIZE, BATCH_OWNED)
 
-    def set_balance(self, balance: str | tuple[float, ...]) -> None:
+    def set_balance(self, balance: str | tuple[float, ...]) -> int:
         raise ControlUnsupported(BALANCE, "The script's DataParallel splits batches as the script built it.")
 
-    def set_devices(self, devices: Sequence[str]) -> None:
+    def set_devices(self, devices: Sequence[str]) -> int:
         devices = tuple(devices)
         if not devices:
             raise ValueError("Choose at least one device.")
         current = self._devices
         if current and current[0].startswith("cuda:") and devices[0] != current[0]:
             raise ValueError(f"{current[0]} holds the script's model: it stays first in the run.")
-        self._send({"op": "devices", "devices": list(devices)})
+        return self._send({"op": "devices", "devices": list(devices)})
 
     # -- the child --------------------------------------------------------------------
 
@@ -254,11 +255,11 @@ class ScriptRun(Publisher):
         elif kind == "threads":
             self._threads[instance] = {str(k): int(v) for k, v in body["threads"].items()}
         elif kind == "state":
-            self._publish(StateChanged(body["state"]))
+            self._publish(StateChanged(body["state"], body.get("request")))
         elif kind == "config" and instance == self._shown:
             self._devices = tuple(body["devices"])
             batch = self._config.batch_size if self._config else 0
-            self._publish(ConfigChanged(batch, self._devices, int(body["step"])))
+            self._publish(ConfigChanged(batch, self._devices, int(body["step"]), body.get("request")))
         elif kind == "coalesced":
             self._coalesced += int(body["steps"])
 
@@ -329,15 +330,18 @@ class ScriptRun(Publisher):
         except (ProcessLookupError, PermissionError):
             pass  # the group is gone already
 
-    def _send(self, message: dict[str, Any]) -> None:
+    def _send(self, message: dict[str, Any]) -> int:
+        """Number the request, send it to the child; its number."""
         with self._lock:
             fd = self._control_w
             if fd is None:
                 raise ValueError("The script is not running.")
+            self._requests += 1
             try:
-                os.write(fd, (json.dumps(message) + "\n").encode())
+                os.write(fd, (json.dumps({**message, "request": self._requests}) + "\n").encode())
             except OSError:
                 raise ValueError("The script is not running.") from None
+            return self._requests
 
     def _close_control(self) -> None:
         with self._lock:
