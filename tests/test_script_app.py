@@ -208,6 +208,31 @@ def test_the_ui_in_a_real_terminal_takes_the_script_along_when_dptui_is_signalle
         os.close(master)
 
 
+def test_ctrl_c_after_q_in_a_real_terminal_hurries_the_stop_past_the_grace_periods():
+    master, slave = pty.openpty()
+    env = dict(os.environ, TERM="xterm-256color")
+    proc = subprocess.Popen([sys.executable, "-m", "tui.cli", "run", "--grace", "600", str(SCRIPTS / "endless.py"),
+                             "stubborn"], stdin=slave, stdout=slave, stderr=slave, env=env, start_new_session=True)
+    os.close(slave)
+    screen = bytearray()
+
+    def drain() -> None:
+        while chunk := _read(master):
+            screen.extend(chunk)
+
+    threading.Thread(target=drain, daemon=True).start()
+    try:
+        wait_for(lambda: b"step" in screen, "the script to get going", timeout=30)
+        os.write(master, b"q")  # SIGINT, which this script ignores: SIGTERM would come 600 s later
+        wait_for(lambda: b"waiting for the script to stop" in screen, "dptui to wait for it", timeout=30)
+        proc.send_signal(signal.SIGINT)  # the terminal is dptui's again: Ctrl-C is a signal
+        assert proc.wait(30) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(master)
+
+
 def _read(fd: int) -> bytes:
     try:
         return os.read(fd, 1 << 16)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -109,6 +110,30 @@ def test_the_module_form_runs_like_python_m():
     assert done.stdout == (
         f"name=__main__ spec=dp_module argv0={SCRIPTS / 'dp_module.py'} args=['a', '--b'] path0={SCRIPTS}\n"
     )
+
+
+def test_a_progress_bar_comes_as_its_latest_state_at_most_4_times_a_second_in_json():
+    done = dptui("--headless", "--json", "--no-telemetry", script("progress_bar.py"), "tqdm", "300", "0.01")
+    assert done.returncode == 0, done.stderr
+    output = of_type(json_events(done.stdout), "output")
+    start, end = (float(o["line"].split()[-1]) for o in output if o["line"].startswith("bar "))
+    states = [o["line"] for o in output if o.get("cr")]
+    assert all(o["cr"] is True for o in output if "cr" in o)  # marked only where true
+    assert len(states) >= 2  # live, while the bar went on
+    assert len(states) <= 4 * (end - start) + 2  # however often tqdm redrew (300 times)
+    counts = [int(state.removeprefix("train: ").removesuffix("/300")) for state in states]
+    assert counts == sorted(counts) and counts[-1] < 300
+    assert {"type": "output", "stream": "stderr", "line": "train: 300/300"} in output  # its end, as a line
+
+
+def test_headless_passes_a_progress_bar_through_byte_for_byte():
+    args = [script("progress_bar.py"), "tqdm", "20"]
+    plain = subprocess.run([sys.executable, *args], capture_output=True, timeout=60)
+    under = subprocess.run([*DPTUI, "--headless", "--no-telemetry", *args], capture_output=True, timeout=120)
+    assert plain.returncode == under.returncode == 0
+    assert plain.stderr.count(b"\r") == 22 and b"\n" not in plain.stderr[:-1]
+    assert under.stderr.startswith(plain.stderr)  # then dptui's own line: no DataParallel in it
+    assert under.stderr[len(plain.stderr):].startswith(b"dptui: the script built no torch.nn.DataParallel")
 
 
 def test_a_packages_init_runs_once_in_the_script_and_a_missing_module_is_one_line():
@@ -295,6 +320,30 @@ def test_bad_input_is_one_line_and_exit_2_before_anything_starts(capsys, argv, m
     assert err.startswith(message) and err.count("\n") == 1
 
 
+def test_a_fifo_log_that_nothing_reads_is_refused_and_one_that_is_read_gets_the_events(tmp_path):
+    fifo = tmp_path / "events"
+    os.mkfifo(fifo)
+    refused = dptui("--headless", "--log", str(fifo), script("exits_3.py"))
+    assert refused.returncode == 2  # at once: opening it would have waited for a reader forever
+    assert refused.stderr == f"dptui run: error: --log {fifo}: a FIFO that nothing reads; start its reader first\n"
+
+    reader = os.open(fifo, os.O_RDWR)  # Linux: a reader at once, that never reads EOF while open
+    try:
+        done = dptui("--headless", "--no-telemetry", "--log", str(fifo), script("exits_3.py"))
+        assert done.returncode == 3, done.stderr
+        os.set_blocking(reader, False)
+        events = json_events(os.read(reader, 1 << 16).decode())
+    finally:
+        os.close(reader)
+    assert of_type(events, "script_exited") == [{"type": "script_exited", "code": 3, "signal": None}]
+
+
+def test_help_says_json_gives_the_script_an_empty_stdin(capsys):
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    assert "the script gets an empty stdin" in " ".join(capsys.readouterr().out.split())
+
+
 def test_dptui_help_lists_the_run_subcommand(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
@@ -349,6 +398,19 @@ def test_a_script_that_ignores_sigint_gets_sigterm_after_the_grace_period():
     assert code == 128 + signal.SIGTERM
     assert of_type(events, "script_exited")[0] == {"type": "script_exited", "code": 143, "signal": "SIGTERM"}
     run.assert_all_gone()
+
+
+def test_a_second_stop_while_stopping_sends_sigterm_at_once_not_after_the_grace_period():
+    run = ScriptRun(ScriptTarget(script("endless.py"), ("stubborn",)), ("cpu:0", "cpu:1"),
+                    telemetry_interval=None, grace_s=600)
+    lines: list[str] = []
+    run.subscribe(lambda e: lines.append(e.line) if isinstance(e, ScriptOutput) else None)
+    threading.Thread(target=run.run, daemon=True).start()
+    wait_for(lambda: any(line.startswith('{"child"') for line in lines), "the script's pids", timeout=60)
+    run.stop()  # SIGINT, which this script ignores: SIGTERM would come 600 s later
+    run.hurry()  # Ctrl-C after q
+    assert run.wait(30)
+    assert run.exit_code == 128 + signal.SIGTERM
 
 
 def test_if_dptui_is_killed_the_lifeline_ends_the_script_and_its_children():

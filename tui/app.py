@@ -146,6 +146,10 @@ class DptuiApp(App[None]):
 
     @work(thread=True, exit_on_error=False, group="trainer", description="training run")
     def _train(self, session: Session) -> RunFinished | RunFailed | None:
+        return self._run_session(session)
+
+    def _run_session(self, session: Session) -> RunFinished | RunFailed | None:
+        """The run of `session`, on the calling thread, to its end."""
         view = session.view
         try:
             trainer = self._run_factory()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -15,6 +16,7 @@ from dpengine.eventlog.events import Event, RunFailed, RunFinished, RunStarted
 
 from .. import format as fmt
 from ..app import LOG_STYLES, DptuiApp
+from ..session import Session
 from ..state import LogLine, Notice, RunView, Snapshot
 from ..widgets.status_bar import STATE_STYLES, StatusBar
 from .events import DataParallelSeen, ScriptEvent, ScriptExited, ScriptNotice, ScriptOutput
@@ -158,6 +160,15 @@ class ScriptApp(DptuiApp):
 
     def _new_view(self) -> ScriptRunView:
         return ScriptRunView(self.run_.target.label, self._clock)
+
+    def _start_run(self) -> None:
+        # On a thread of its own, not a Textual worker: the app's exit waits for its workers,
+        # which would hold the terminal, given back already, silent until the script ends after
+        # q (its grace periods). run_script_app waits for it instead, says so, and Ctrl-C there
+        # hurries it.
+        self.session = Session(self._new_view())
+        self._shown_version = -1
+        threading.Thread(target=self._run_session, args=(self.session,), name="dptui-run-script", daemon=True).start()
 
     def _log_text(self, line: LogLine) -> Text:
         # The script wrote for a terminal: its escape sequences must not drive dptui's.
