@@ -311,6 +311,8 @@ def test_json_piped_into_head_stops_the_script_quietly():
         (["run", "--log", "/dev/full", script("exits_3.py")], "dptui run: error: --log /dev/full: cannot write it"),
         (["run", "--log", script("exits_3.py"), script("exits_3.py")],
          f"dptui run: error: --log {script('exits_3.py')}: that is the script itself; name another file"),
+        (["run", "--trace", script("exits_3.py"), script("exits_3.py")],
+         f"dptui run: error: --trace {script('exits_3.py')}: that is the script itself; name another file"),
         (["run", "-m", "no_such_package.train"], "dptui run: error: no module named 'no_such_package'"),
     ],
 )

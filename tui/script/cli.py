@@ -16,8 +16,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
-from dpengine.eventlog.events import RunFailed, RunFinished, RunStarted, StepFinished
-
 from ..stdout_pipe import StopOnBrokenPipe, silence_stdout
 from ..usage import EXIT_USAGE, Parser, UsageError, check_json_output, check_log_path, number, open_log
 from ..usage import parse_devices as parse_device_names
@@ -25,7 +23,7 @@ from .events import ScriptNotice
 from .script_run import GRACE_S, ScriptRun, ScriptTarget
 
 USAGE = "dptui run [OPTIONS] (SCRIPT.py | -m MODULE) [ARGS...]"
-_TAKES_VALUE = {"--devices", "--log", "--telemetry-interval", "--grace"}
+_TAKES_VALUE = {"--devices", "--log", "--trace", "--telemetry-interval", "--grace"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --headless: JSON Lines events on stdout, the script's output as "
                         '{"type": "output", ...} events; the script gets an empty stdin (as in the UI)')
     parser.add_argument("--log", metavar="FILE", help="write the run's events as JSON Lines to FILE")
+    parser.add_argument("--trace", metavar="FILE",
+                        help="write the run as a trace Perfetto and chrome://tracing open (Chrome trace JSON)")
     parser.add_argument("--telemetry-interval", type=number("telemetry interval", at_least=0.2),
                         default=1.0, metavar="S", help="seconds between device samples, >= 0.2 (default 1)")
     parser.add_argument("--no-telemetry", action="store_true", help="do not poll device telemetry")
@@ -81,8 +81,11 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, ScriptTarget]:
             raise UsageError(f"no such script: {target.program}")
     if args.log:
         check_log_path(args.log)
-        if program_file is not None and _same_file(args.log, program_file):
-            raise UsageError(f"--log {args.log}: that is the script itself; name another file for the events")
+    if args.trace:
+        check_log_path(args.trace, "--trace")
+    for flag, path in (("--log", args.log), ("--trace", args.trace)):
+        if path and program_file is not None and _same_file(path, program_file):
+            raise UsageError(f"{flag} {path}: that is the script itself; name another file for the events")
     return args, target
 
 
@@ -139,9 +142,15 @@ def main(argv: Sequence[str]) -> int:
         target, devices, available, capture_output=not args.headless or args.json,
         telemetry_interval=None if args.no_telemetry else args.telemetry_interval, grace_s=args.grace,
     )
+    trace = None
     try:
         if log is not None:
             run.subscribe(_json_lines(log))
+        if args.trace:
+            from dpengine.eventlog.trace import TraceFile
+
+            trace = TraceFile(args.trace)
+            run.subscribe(trace)
         if not args.headless:
             from .app import run_script_app
 
@@ -156,10 +165,11 @@ def main(argv: Sequence[str]) -> int:
         run.kill()  # never leave the script's group behind, whatever happened here
         if log is not None:
             log.close()
-
-
-def _summarized(event: object) -> bool:
-    return isinstance(event, (RunStarted, StepFinished, RunFinished, RunFailed))
+        if trace is not None:
+            trace.close()
+            if trace.error is not None:
+                print(f"dptui run: error: --trace {trace.path}: {trace.error.strerror or trace.error}",
+                      file=sys.stderr)
 
 
 def _json_lines(stream: IO[str]):
@@ -182,9 +192,12 @@ def _run_headless(run: ScriptRun, json_out: bool) -> int:
     if json_out:
         run.subscribe(guard)
     run.subscribe(_say_notices)  # on stderr: --json keeps stdout to its events
-    summarized: list[object] = []  # what `dptui view --headless` of the --log would sum up
-    if not json_out:
-        run.subscribe(lambda event: summarized.append(event) if _summarized(event) else None)
+    summary = None
+    if not json_out:  # the sums `dptui view --headless` of the --log would print
+        from dpengine.eventlog.summary import RunSummary
+
+        summary = RunSummary()
+        run.subscribe(summary.feed)
     signals = 0
 
     def on_signal(signum, frame) -> None:
@@ -201,10 +214,10 @@ def _run_headless(run: ScriptRun, json_out: bool) -> int:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-    if any(isinstance(event, StepFinished) for event in summarized):  # no step: the notice said why
+    if summary is not None and summary.steps:  # no step: the notice said why
         from ..view.cli import summary_lines
 
-        print("\n".join(summary_lines(summarized)), file=sys.stderr, flush=True)
+        print("\n".join(summary_lines(summary)), file=sys.stderr, flush=True)
     if guard.broken:
         # Piped into e.g. `head`, which has read enough: not the script's failure, nor ours.
         silence_stdout()

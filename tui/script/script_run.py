@@ -31,6 +31,7 @@ from dpengine.eventlog.events import (
     StateChanged,
     TelemetrySampled,
 )
+from dpengine.eventlog.reader import EventLogError, decode_step
 from dpengine.run.protocol import BALANCE, BATCH_SIZE, DEVICES, PAUSE, ControlUnsupported
 from dpengine.script import wire
 
@@ -294,7 +295,10 @@ class ScriptRun(Publisher):
             self._coalesced += int(body["steps"])
 
     def _on_step(self, body: dict[str, Any]) -> None:
-        event = wire.step_from_json(body)
+        try:
+            event = decode_step(body)
+        except EventLogError:
+            return  # a damaged record: the screen goes on with the next
         if self._config is None:
             self._devices = event.record.devices
             self._config = self._run_config(event.batch_size)
