@@ -26,6 +26,7 @@ from .usage import (
     check_json_output,
     check_log_path,
     number,
+    open_log,
     parse_devices,
     whole_number,
 )
@@ -262,7 +263,7 @@ class _EventLog:
         from dpengine.eventlog.writer import JsonLinesWriter
 
         self.path = path
-        self._file = open(path, "w", encoding="utf-8")
+        self._file = open_log(path)
         self._writer = JsonLinesWriter(self._file)
         self.error: str | None = None  # the line saying why writing stopped
         self.say_at_once = True  # False while the UI owns the terminal: main says it afterwards
@@ -409,6 +410,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         print(log.error, file=sys.stderr)
                     code = EXIT_FAILED if code == EXIT_OK and log.failed else code
         return _close_trace(trace, code)
+    except UsageError as error:  # a FIFO --log that nothing reads: found when opening it
+        print(f"dptui: error: {error}", file=sys.stderr)
+        return _close_trace(trace, EXIT_USAGE)
     except KeyboardInterrupt:
         print("dptui: interrupted", file=sys.stderr)
         exit_now(EXIT_INTERRUPTED)  # replicas may be stuck mid-step: teardown could wait on them

@@ -7,6 +7,8 @@ Child -> dptui, one JSON object per line (steps use the `step` form of dpengine.
   {"type": "state", "state": "paused" | "running", "request": R}
   {"type": "config", "instance": KEY, "devices": [...], "step": N, "request": R}
   {"type": "coalesced", "steps": N}    (steps dropped because dptui fell behind)
+  {"type": "used", "what": "torch.nn.parallel.DistributedDataParallel"}   once: the script built
+      a class this process does not record (unrecorded.py); dptui says so when it ends
 dptui -> child, the control pipe (its EOF means dptui is gone):
   {"op": "pause", "request": R} | {"op": "resume", "request": R}
   {"op": "devices", "devices": [...], "request": R}
