@@ -54,6 +54,11 @@ async def quit_app(app: App) -> None:
     await until(lambda: not app.is_running, "the app to exit", timeout=3)
 
 
+def shown(app: App, screen_type: type) -> bool:
+    """`screen_type` is on top and composed: a pushed screen has no widgets until it mounts."""
+    return isinstance(app.screen, screen_type) and app.screen.is_mounted
+
+
 def status(app: App) -> str:
     return str(app.status.content)
 

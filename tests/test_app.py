@@ -20,7 +20,7 @@ from rich.console import Console
 from textual.widgets import Input, SelectionList, Static
 from torch import nn
 from torch.utils.data import TensorDataset
-from pilot import active_chunks, holds, log_text, press, quit_app, status, until
+from pilot import active_chunks, holds, log_text, press, quit_app, shown, status, until
 from ui_fakes import FixedTelemetry, ScriptedTrainer, demo_events, factory_of, gpu_sample, step_event
 
 from dpengine.eventlog.events import ConfigChanged, RunFailed, SplitChanged, StateChanged, StepFinished
@@ -419,7 +419,7 @@ async def test_b_asks_for_a_batch_size_and_refuses_less_than_one():
     async with app.run_test() as pilot:
         await started(pilot, trainer)
         await pilot.press("b")
-        await until(lambda: isinstance(app.screen, BatchSizeScreen))
+        await until(lambda: shown(app, BatchSizeScreen))
         app.screen.query_one(Input).value = "0"
         await pilot.press("enter")
         assert isinstance(app.screen, BatchSizeScreen)
@@ -439,7 +439,7 @@ async def test_d_picks_devices_from_a_list():
     async with app.run_test() as pilot:
         await started(pilot, trainer)
         await pilot.press("d")
-        await until(lambda: isinstance(app.screen, DevicesScreen))
+        await until(lambda: shown(app, DevicesScreen))
         picker = app.screen.query_one(SelectionList)
         assert picker.selected == list(DEVICES)
         picker.deselect("cpu:0")
@@ -471,7 +471,7 @@ async def test_footer_and_help_list_every_key_and_l_hides_the_log():
         await started(pilot, trainer)
         assert {k.key_display for k in app.query("FooterKey")} == KEYS
         await pilot.press("question_mark")
-        await until(lambda: isinstance(app.screen, HelpScreen))
+        await until(lambda: shown(app, HelpScreen))
         console = Console(width=100, file=io.StringIO(), record=True)
         for static in app.screen.query(Static):
             console.print(static.content)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pilot import until
+from pilot import shown, until
 from textual.widgets import Input
 from ui_fakes import ScriptedTrainer, demo_events, factory_of, step_event
 
@@ -94,7 +94,7 @@ async def test_a_toggles_and_w_types_weights():
         assert ("set_balance", "auto") in trainer.calls
         assert "split auto" in str(app.status.content)
         await pilot.press("w")
-        await until(lambda: isinstance(app.screen, WeightsScreen))
+        await until(lambda: shown(app, WeightsScreen))
         app.screen.query_one(Input).value = "2,1"
         await pilot.press("enter")
         assert isinstance(app.screen, WeightsScreen)
@@ -121,7 +121,7 @@ async def test_help_lists_a_and_w():
     async with app.run_test() as pilot:
         await until(trainer.published.is_set)
         await pilot.press("question_mark")
-        await until(lambda: isinstance(app.screen, HelpScreen))
+        await until(lambda: shown(app, HelpScreen))
         console = Console(width=100, file=io.StringIO(), record=True)
         for static in app.screen.query(Static):
             console.print(static.content)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from pilot import active_chunks, holds, log_text, press, status, until
+from pilot import active_chunks, holds, log_text, press, shown, status, until
 from ui_fakes import step_event
 from waiting import gone, wait_for
 
@@ -80,7 +80,7 @@ async def test_run_mode_shows_replicas_and_output_and_steers_the_script():
         await press(app, "3")
         await until(lambda: active_chunks(app) == [4, 4, 4], what="cpu:2 joining from the next forward")
         await press(app, "d")
-        await until(lambda: isinstance(app.screen, DevicesScreen), what="the device picker")
+        await until(lambda: shown(app, DevicesScreen), what="the device picker")
         picker = app.screen.query_one(SelectionList)
         assert [picker.get_option_at_index(i).value for i in range(picker.option_count)] == list(AVAILABLE)
         assert picker.selected == ["cpu:0", "cpu:1", "cpu:2"]
