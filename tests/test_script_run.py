@@ -106,9 +106,15 @@ def test_instances_are_told_apart_and_a_rebuilt_one_is_not_new(tmp_path):
     assert done.returncode == 0, done.stderr
     events = json_events(log.read_text())
     seen = [e["instance"] for e in of_type(events, "dataparallel")]
-    assert seen == ["DataParallel(Linear)@instances.py:9", "DataParallel(Linear)@instances.py:11"]
-    # The panels follow the first DataParallel that stepped: three epochs of the rebuilt model.
-    assert [s["step"] for s in of_type(events, "step")] == [1, 1, 1]
+    # Keyed by the module and the line: the model rebuilt every epoch is one instance, the two
+    # models one helper wraps are two (numbered: their labels would read the same).
+    helper = "DataParallel(Linear, 12 params)@instances.py:19"
+    assert seen == ["DataParallel(Linear, 12 params)@instances.py:10",
+                    "DataParallel(Linear, 12 params)@instances.py:12", helper, f"{helper} #2"]
+    steps = [(s["instance"], s["step"], s["batch_size"]) for s in of_type(events, "step")]
+    assert steps == [(seen[1], 1, 8), (seen[0], 1, 8), (seen[1], 2, 8), (seen[0], 2, 8), (seen[1], 3, 8),
+                     (seen[0], 3, 8), (helper, 1, 4), (f"{helper} #2", 1, 6)]
+    # The panels follow the first DataParallel that stepped.
     assert of_type(events, "run_started")[0]["config"]["workload"] == seen[1]
 
 

@@ -1,12 +1,17 @@
 """What crosses the private pipes between a script run by `dptui run` and dptui.
 
 Child -> dptui, one JSON object per line (steps use the `step` form of dpengine.eventlog.events):
-  {"type": "dp_created", "instance": KEY, "name": TEXT, "devices": [...]}   (once per KEY)
-  {"type": "step", "instance": KEY, ...to_json_dict(StepFinished)}
+  {"type": "dp_created", "instance": KEY, "name": TEXT, "devices": [...], "copy_of": KEY | null}
+      once per instance: a DataParallel (or a functional data_parallel call site) wrapping a
+      module not seen there before; a deepcopy or unpickled one names the instance it copies
+  {"type": "step", "instance": KEY, ...to_json_dict(StepFinished)}   every step; `step` counts
+      the instance's steps from 1 (dropped ones included)
+  {"type": "dropped", "instance": KEY, "steps": N}   N steps of KEY not sent: dptui fell
+      further behind than the child's queue holds
   {"type": "threads", "instance": KEY, "threads": {device: native thread id}}
   {"type": "state", "state": "paused" | "running", "request": R}
   {"type": "config", "instance": KEY, "devices": [...], "step": N, "request": R}
-  {"type": "coalesced", "steps": N}    (steps dropped because dptui fell behind)
+KEY is the instance's label (dpengine.script.instances): `DataParallel(Net, 1.2k params)@train.py:42`.
 dptui -> child, the control pipe (its EOF means dptui is gone):
   {"op": "pause", "request": R} | {"op": "resume", "request": R}
   {"op": "devices", "devices": [...], "request": R}
@@ -61,5 +66,5 @@ def step_from_json(body: dict[str, Any]) -> StepFinished:
         steps_in_epoch=body["steps_in_epoch"], batch_size=body["batch_size"],
         input_shape=_shape(body["input_shape"]), output_shape=_shape(body["output_shape"]),
         loss=_number(body["loss"]), samples_per_s=_number(body["samples_per_s"]),
-        record=record, seconds=_number(body["seconds"]),
+        record=record, seconds=_number(body["seconds"]), instance=body.get("instance"),
     )

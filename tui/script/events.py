@@ -30,15 +30,23 @@ class DataParallelSeen:
 
 
 @dataclass(frozen=True, slots=True)
+class StepsDropped:
+    """Steps of an instance that never reached dptui: it fell further behind than the script's queue holds."""
+
+    instance: str
+    steps: int
+
+
+@dataclass(frozen=True, slots=True)
 class ScriptExited:
     code: int  # dptui's exit status: the script's, 128+N after signal N
     signal: str | None = None  # "SIGKILL" when a signal ended it
 
 
 _TYPES = {ScriptStarted: "script_started", ScriptOutput: "output",
-          DataParallelSeen: "dataparallel", ScriptExited: "script_exited"}
+          DataParallelSeen: "dataparallel", StepsDropped: "dropped", ScriptExited: "script_exited"}
 
-ScriptEvent = ScriptStarted | ScriptOutput | DataParallelSeen | ScriptExited
+ScriptEvent = ScriptStarted | ScriptOutput | DataParallelSeen | StepsDropped | ScriptExited
 
 
 def to_json(event: Event | ScriptEvent) -> dict[str, Any]:

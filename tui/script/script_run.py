@@ -33,7 +33,7 @@ from dpengine.eventlog.events import (
 from dpengine.run.protocol import BALANCE, BATCH_SIZE, DEVICES, PAUSE, ControlUnsupported
 from dpengine.script import wire
 
-from .events import DataParallelSeen, ScriptExited, ScriptOutput, ScriptStarted
+from .events import DataParallelSeen, ScriptExited, ScriptOutput, ScriptStarted, StepsDropped
 
 GRACE_S = 5.0  # after SIGINT, then after SIGTERM, before the next signal
 BATCH_OWNED = "The script owns its batch size: change it in the script."
@@ -90,7 +90,7 @@ class ScriptRun(Publisher):
         self._devices: tuple[str, ...] = ()
         self._seen: dict[str, tuple[str, ...]] = {}
         self._threads: dict[str, dict[str, int]] = {}  # per instance: device -> native thread id
-        self._steps = self._samples = self._coalesced = 0
+        self._steps = self._samples = 0
         self._requests = 0  # numbered as a Trainer numbers them; the child's events carry them back
         self.exit_code: int | None = None
 
@@ -249,8 +249,7 @@ class ScriptRun(Publisher):
         elif kind == "step":
             if self._shown is None:
                 self._shown = instance
-            if instance == self._shown:
-                self._on_step(body)
+            self._on_step(body)
         elif kind == "threads":
             self._threads[instance] = {str(k): int(v) for k, v in body["threads"].items()}
         elif kind == "state":
@@ -259,12 +258,13 @@ class ScriptRun(Publisher):
             self._devices = tuple(body["devices"])
             batch = self._config.batch_size if self._config else 0
             self._publish(ConfigChanged(batch, self._devices, int(body["step"]), body.get("request")))
-        elif kind == "coalesced":
-            self._coalesced += int(body["steps"])
+        elif kind == "dropped":
+            self._publish(StepsDropped(instance, int(body["steps"])))
 
     def _on_step(self, body: dict[str, Any]) -> None:
+        """Every instance's steps go out (the log and --json keep them all); the panels take the shown one's."""
         event = wire.step_from_json(body)
-        if self._config is None:
+        if self._config is None and event.instance == self._shown:
             self._devices = event.record.devices
             self._config = self._run_config(event.batch_size)
             self._publish(RunStarted(self._config))
