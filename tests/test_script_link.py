@@ -52,7 +52,7 @@ def read_all(fd: int, into: list[dict]) -> None:
 def test_a_step_crosses_as_the_json_step_event(make_dp):
     events_r, events_w = os.pipe()
     control_r, control_w = os.pipe()
-    link = ParentLink(events_w, control_r, ("cpu:0", "cpu:1"), on_parent_gone=lambda: None)
+    link = ParentLink(events_w, control_r, ("cpu:0", "cpu:1"))
     record = a_record(make_dp)
     link.post_step("DataParallel(Linear)@x.py:1", record)
     link.flush()
@@ -68,7 +68,7 @@ def test_a_stuck_reader_never_stalls_the_script_and_only_the_overflow_is_dropped
     monkeypatch.setattr(link_module, "MAX_QUEUED_STEPS", queued)
     events_r, events_w = os.pipe()
     control_r, control_w = os.pipe()
-    link = ParentLink(events_w, control_r, ("cpu:0",), on_parent_gone=lambda: None)
+    link = ParentLink(events_w, control_r, ("cpu:0",))
     record = a_record(make_dp)
     over = 3_000
     posts = {"a": queued // 2, "b": queued // 2 + over}  # far more than the pipe holds
@@ -99,7 +99,7 @@ def test_a_stuck_reader_never_stalls_the_script_and_only_the_overflow_is_dropped
 def test_pause_holds_the_next_forward_until_resume():
     events_r, events_w = os.pipe()
     control_r, control_w = os.pipe()
-    link = ParentLink(events_w, control_r, ("cpu:0",), on_parent_gone=lambda: None)
+    link = ParentLink(events_w, control_r, ("cpu:0",))
     read_lines = Lines(events_r)
     os.write(control_w, b'{"op": "pause"}\n')
     passed = threading.Event()
@@ -117,13 +117,3 @@ def test_pause_holds_the_next_forward_until_resume():
     thread.join(10)
     assert passed.is_set()
     os.close(control_w)
-
-
-def test_the_control_pipes_eof_is_the_lifeline():
-    events_r, events_w = os.pipe()
-    control_r, control_w = os.pipe()
-    gone = threading.Event()
-    ParentLink(events_w, control_r, ("cpu:0",), on_parent_gone=gone.set)
-    os.close(control_w)  # dptui died
-    assert gone.wait(10)
-

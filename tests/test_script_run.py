@@ -315,3 +315,12 @@ def test_if_dptui_is_killed_the_lifeline_ends_the_script_and_its_children():
     run.proc.kill()
     run.proc.wait(timeout=10)
     run.assert_all_gone()
+
+
+def test_if_dptui_is_killed_while_the_script_holds_the_gil_the_group_still_ends_within_seconds():
+    # No Python thread of the script can run (it lived 50 s): the parent-death signal ends the
+    # script, the keeper process the grandchild that ignores SIGTERM.
+    run = Started(script("holds_gil.py"))
+    run.proc.kill()
+    run.proc.wait(timeout=10)
+    wait_for(lambda: gone(run.pids["child"]) and gone(run.pids["grandchild"]), "the group to be gone", timeout=15)

@@ -3,9 +3,8 @@
 Training threads only append to a queue under a lock; a daemon thread turns records into
 JSON and writes them. Every step is sent: dptui's log and --json get them all (only its screen
 coalesces). The queue holds MAX_QUEUED_STEPS; past that, while dptui is that far behind, steps
-are dropped and counted per DataParallel instance, and a `dropped` message says how many. The
-control pipe is also the lifeline: its EOF means dptui died, and the script's whole process
-group is ended.
+are dropped and counted per DataParallel instance, and a `dropped` message says how many.
+dptui's requests (pause, devices) come over the control pipe.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import threading
 import time
 import weakref
@@ -21,24 +19,19 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-import psutil
-
 from ..eventlog.events import StepFinished, to_json_dict
 from ..records import StepRecord
 
 MAX_QUEUED_STEPS = 32_768  # a few seconds of the fastest scripts; about 1 KiB each
 SEND_AT_ONCE = 512  # items per write: the queue's lock is never held for long
 FLUSH_AT_EXIT_S = 2.0
-LIFELINE_GRACE_S = 3.0
 
 
 class ParentLink:
     def __init__(
         self, events_fd: int, control_fd: int, devices: tuple[str, ...],
-        on_parent_gone: Callable[[], None] | None = None,
     ) -> None:
         self.devices = devices  # what device_ids=None means in this run
-        self._on_parent_gone = on_parent_gone or _end_process_group
         self._events_fd = events_fd
         self._control_fd = control_fd
         self._cond = threading.Condition()
@@ -178,9 +171,10 @@ class ParentLink:
                 lines.append(json.dumps({"type": "threads", "instance": instance, "threads": threads}))
         return lines
 
-    # -- control and lifeline --------------------------------------------------------
+    # -- control ---------------------------------------------------------------------
 
     def _control_loop(self) -> None:
+        # Its EOF means dptui is gone: the keeper (keeper.py), not this thread, ends the group.
         with os.fdopen(self._control_fd, "rb", buffering=0) as pipe:
             buffer = b""
             while chunk := pipe.read(4096):
@@ -188,7 +182,6 @@ class ParentLink:
                 *lines, buffer = buffer.split(b"\n")
                 for line in lines:
                     self._apply(json.loads(line))
-        self._on_parent_gone()
 
     def _apply(self, message: dict[str, Any]) -> None:
         op = message.get("op")
@@ -207,30 +200,3 @@ def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
-
-
-def _end_process_group() -> None:
-    """dptui died (even by SIGKILL): take the script and everything it started down with it."""
-    if os.getpgrp() != os.getpid():
-        os._exit(137)  # not a group leader: never signal a group that is not ours
-    # SIGTERM to the others first: sent to the whole group it would end this process too,
-    # before the SIGKILL for those that ignore it.
-    for pid in _group_members(os.getpid()):
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-    time.sleep(LIFELINE_GRACE_S)
-    os.killpg(os.getpid(), signal.SIGKILL)
-
-
-def _group_members(pgid: int) -> list[int]:
-    """The other processes in process group `pgid`."""
-    members = []
-    for pid in psutil.pids():
-        try:
-            if pid != os.getpid() and os.getpgid(pid) == pgid:
-                members.append(pid)
-        except (ProcessLookupError, PermissionError):
-            continue
-    return members

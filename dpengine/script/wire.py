@@ -30,6 +30,8 @@ from ..records import ReplicaRecord, StepRecord
 EVENTS_FD = "DPTUI_RUN_EVENTS_FD"
 CONTROL_FD = "DPTUI_RUN_CONTROL_FD"
 DEVICES = "DPTUI_RUN_DEVICES"
+PARENT_PID = "DPTUI_RUN_PARENT_PID"  # dptui's pid: the parent the child checks it still has
+LIFELINE_FD = "DPTUI_RUN_LIFELINE_FD"  # a pipe only dptui writes to (never does): EOF when it is gone
 
 
 def _shape(value: Any) -> tuple[int, ...]:

@@ -2,8 +2,10 @@
 
 The program runs in a child process (same interpreter, its own session, so its DataLoader
 workers and subprocesses share one process group that dptui signals as a whole). Records
-come over a private pipe, never its stdout/stderr; controls go back over another pipe,
-whose EOF tells the child that dptui is gone.
+come over a private pipe, never its stdout/stderr; controls go back over another pipe. A
+third, never written, is the lifeline: its EOF tells the child's keeper that dptui is gone
+(dpengine/script/keeper.py), and the child is started from a thread that lives as long as
+dptui (spawner.py), for its parent-death signal.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from dpengine.eventlog.events import (
 from dpengine.run.protocol import BALANCE, BATCH_SIZE, DEVICES, PAUSE, ControlUnsupported
 from dpengine.script import wire
 
+from . import spawner
 from .events import DataParallelSeen, ScriptExited, ScriptOutput, ScriptStarted, StepsDropped
 
 GRACE_S = 5.0  # after SIGINT, then after SIGTERM, before the next signal
@@ -82,6 +85,7 @@ class ScriptRun(Publisher):
         self._proc: subprocess.Popen | None = None
         self._events_r = -1
         self._control_w: int | None = None
+        self._lifeline_w: int | None = None
         self._stopping = False
         self._done = threading.Event()
         self._started_at = 0.0
@@ -180,28 +184,32 @@ class ScriptRun(Publisher):
     def _start(self) -> None:
         events_r, events_w = os.pipe()
         control_r, control_w = os.pipe()
+        lifeline_r, lifeline_w = os.pipe()  # never written: its EOF tells the child's keeper dptui is gone
         env = dict(os.environ)
         env[wire.EVENTS_FD] = str(events_w)
         env[wire.CONTROL_FD] = str(control_r)
+        env[wire.LIFELINE_FD] = str(lifeline_r)
+        env[wire.PARENT_PID] = str(os.getpid())
         env[wire.DEVICES] = ",".join(self._devices_arg)
         if self._capture:
             env["PYTHONUNBUFFERED"] = "1"  # lines as they are printed, not in 8 KiB blocks
         pipe = subprocess.PIPE if self._capture else None
         try:
-            self._proc = subprocess.Popen(
-                self.target.bootstrap_argv(), env=env, pass_fds=(events_w, control_r),
+            self._proc = spawner.popen(
+                self.target.bootstrap_argv(), env=env, pass_fds=(events_w, control_r, lifeline_r),
                 stdin=subprocess.DEVNULL if self._capture else None, stdout=pipe, stderr=pipe,
                 start_new_session=True,
             )
         except BaseException:
-            os.close(events_r)
-            os.close(control_w)
+            for fd in (events_r, control_w, lifeline_w):
+                os.close(fd)
             raise
         finally:
-            os.close(events_w)  # the child's ends: ours would keep the pipes open after it exits
-            os.close(control_r)
+            for fd in (events_w, control_r, lifeline_r):  # the child's ends: ours would keep the pipes open
+                os.close(fd)
         self._events_r = events_r
         self._control_w = control_w
+        self._lifeline_w = lifeline_w
         self._started_at = time.monotonic()
         self._publish(ScriptStarted(argv=(self.target.program, *self.target.args), pid=self._proc.pid))
 
@@ -341,6 +349,8 @@ class ScriptRun(Publisher):
 
     def _close_control(self) -> None:
         with self._lock:
-            fd, self._control_w = self._control_w, None
-        if fd is not None:
-            os.close(fd)
+            fds = (self._control_w, self._lifeline_w)
+            self._control_w = self._lifeline_w = None
+        for fd in fds:
+            if fd is not None:
+                os.close(fd)
