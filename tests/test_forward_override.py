@@ -251,3 +251,32 @@ def test_on_cuda_the_pieces_are_torchs_own() -> None:
     torch.testing.assert_close(comm.reduce_add([x, x]), torch_comm.reduce_add([x, x]))
     torch.testing.assert_close(Gather.apply(0, 0, x, x), torch_functions.Gather.apply(0, 0, x, x))
     assert Broadcast.apply([0], x)[0].device == x.device
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_a_forward_override_over_torchs_pieces_is_recorded_with_its_events() -> None:
+    class Pieces(DataParallel):  # torch's Scatter and the module-level parallel_apply, on GPU 0
+        def forward(self, x):
+            chunks = Scatter.apply(self.device_ids, None, self.dim, x)
+            replicas = self.replicate(self.module, self.device_ids[:len(chunks)])
+            outputs = dpengine.parallel_apply(replicas, [(c,) for c in chunks], None, self.device_ids[:len(chunks)])
+            return self.gather(outputs, self.output_device)
+
+    torch.manual_seed(4)
+    model = nn.Linear(8, 4).cuda()
+    plain = copy.deepcopy(model)
+    dp = Pieces(model, [0])
+    try:
+        x = torch.randn(6, 8, device="cuda")
+        out = dp(x)
+        torch.testing.assert_close(out, plain(x))
+        out.sum().backward()
+        plain(x).sum().backward()
+        assert_grads_equal(plain, model)
+        record = dp.last_step
+        assert (record.chunk_sizes, record.devices) == ((6,), ("cuda:0",))
+        assert record.replicas[0].forward_timed and record.replicas[0].forward_ms > 0
+        assert record.replicas[0].peak_memory_bytes
+    finally:
+        dp.close()
