@@ -66,8 +66,16 @@ class DataParallel(EngineDataParallel):
         # A deepcopy (an EMA model) or an unpickled one: an instance of its own, with its own steps.
         super().__setstate__(state)
         link, original = _link, state.get("_dptui_key")
-        if link is not None and original is not None:
+        if "_dptui_control" not in self.__dict__:
+            object.__setattr__(self, "_dptui_control", link.control_version if link else 0)
+        if link is None:
+            return
+        if original is not None:
             self._dptui_attach(link, _instances.copy_label(original, self.module), copy_of=original)
+        else:  # loaded from a file (torch.load, pickle.loads): where it was loaded is its site
+            site = call_site()
+            object.__setattr__(self, "_dptui_site", site)
+            self._dptui_attach(link, _instances.label(self._dptui_name(), self.module, site))
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
