@@ -60,7 +60,7 @@ class Instances:
         known = self._known((id(module), site), module)
         if known is not None:
             return known
-        params = sum(p.numel() for p in module.parameters())
+        params = sum(p.numel() for p in module.parameters() if not nn.parameter.is_lazy(p))  # LazyLinear: none yet
         plural = "" if params == 1 else "s"
         return self._claim((id(module), site), module,
                            f"{kind}({type(module).__qualname__}, {count_text(params)} param{plural})@{site}")

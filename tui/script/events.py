@@ -24,9 +24,10 @@ class ScriptOutput:
 class DataParallelSeen:
     """A DataParallel the script built that dptui had not seen (rebuilt ones are not news)."""
 
-    instance: str  # "DataParallel(Net)@train.py:42": class, wrapped model, where it was built
+    instance: str  # "DataParallel(Net, 1.2k params)@train.py:42": class, wrapped model, where it was built
     devices: tuple[str, ...]
     count: int  # DataParallel objects told apart so far
+    copy_of: str | None = None  # the instance it is a deepcopy of (an EMA model), if it is one
 
 
 @dataclass(frozen=True, slots=True)

@@ -253,7 +253,7 @@ class ScriptRun(Publisher):
         instance = body.get("instance", "")
         if kind == "dp_created" and instance not in self._seen:
             self._seen[instance] = tuple(body["devices"])
-            self._publish(DataParallelSeen(instance, tuple(body["devices"]), len(self._seen)))
+            self._publish(DataParallelSeen(instance, tuple(body["devices"]), len(self._seen), body.get("copy_of")))
         elif kind == "step":
             if self._shown is None:
                 self._shown = instance
