@@ -4,6 +4,7 @@
     python -m bench --only 1,3      # some benchmarks, by number or name
     python -m bench --gpu-only      # just 7, for a machine with a GPU
     python -m bench --quick         # fewer rounds: a smoke test, not a measurement
+    python -m bench --skip view     # all but some (9, view: generates a 1 GB log once, in ~/.cache)
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ BENCHES = {
     6: ("memory", "peak memory"),
     7: ("gpu", "GPU: dpengine vs torch.nn.DataParallel"),
     8: ("balance", "auto-balance"),
+    9: ("view", "dptui view of a long run's log"),
 }
 DEFAULT_OUT = Path(__file__).with_name("results.md")
 
@@ -38,7 +40,7 @@ def _select(text: str | None) -> list[int]:
         part = part.strip()
         matches = [n for n, (name, _) in BENCHES.items() if part in (str(n), name)]
         if not matches:
-            raise SystemExit(f"bench: unknown benchmark {part!r}; expected 1-8 or one of "
+            raise SystemExit(f"bench: unknown benchmark {part!r}; expected 1-{len(BENCHES)} or one of "
                              f"{', '.join(name for name, _ in BENCHES.values())}")
         chosen += matches
     return sorted(set(chosen))
@@ -48,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", help="comma-separated benchmark numbers or names (1-8)")
+    parser.add_argument("--only", help=f"comma-separated benchmark numbers or names (1-{len(BENCHES)})")
+    parser.add_argument("--skip", help="comma-separated benchmark numbers or names to leave out")
     parser.add_argument("--gpu-only", action="store_true", help="run only 7 (GPU)")
     parser.add_argument("--quick", action="store_true", help="few rounds: checks the suite runs")
     parser.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
@@ -56,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"markdown file (default {DEFAULT_OUT})")
     args = parser.parse_args(argv)
     selected = [7] if args.gpu_only else _select(args.only)
+    if args.skip:
+        selected = [n for n in selected if n not in _select(args.skip)]
 
     info = machine()
     started = time.perf_counter()

@@ -100,3 +100,26 @@ def test_the_layer_check_sees_a_relative_import(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "ENGINE", fake_engine)
     assert layer_offenders(fake_engine / "eventlog", ("dpengine.run",)) == [
         "dpengine/eventlog/bad.py: dpengine.run.trainer", "dpengine/eventlog/bad.py: dpengine.run.trainer.Trainer"]
+
+
+def test_the_package_loads_its_exports_on_first_use():
+    # `dptui view` imports the event log, which lies in dpengine: that must not import torch (a
+    # second and 200 MB), while `from dpengine import DataParallel` and torch.nn.parallel's
+    # function names (which shadow submodules of the same name) work as before.
+    script = (
+        "import sys\n"
+        "import dpengine, dpengine.eventlog.reader, dpengine.eventlog.summary, dpengine.run.recorded_run\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+        "import dpengine.parallel_apply, dpengine.replicate, dpengine.data_parallel\n"
+        "from dpengine import DataParallel, data_parallel, parallel_apply, replicate, StepRecord\n"
+        "import types\n"
+        "assert all(isinstance(f, types.FunctionType) for f in (data_parallel, parallel_apply, replicate))\n"
+        "assert dpengine.parallel_apply is parallel_apply and dpengine.replicate is replicate\n"
+        "assert DataParallel.__module__ == 'dpengine.data_parallel' and 'torch' in sys.modules\n"
+        "assert set(dpengine.__all__) <= set(dir(dpengine))\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          cwd=ENGINE.parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "ok"

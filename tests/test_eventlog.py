@@ -16,8 +16,10 @@ from dpengine.eventlog import reader as eventlog
 from dpengine.eventlog.events import (
     LOG_FORMAT,
     ConfigChanged,
+    RunConfig,
     RunFailed,
     RunFinished,
+    RunStarted,
     SplitChanged,
     StateChanged,
     StepFinished,
@@ -27,6 +29,7 @@ from dpengine.eventlog.events import (
 from dpengine.eventlog.reader import (
     EventLogError,
     EventLogReader,
+    LogNote,
     OtherEvent,
     check_event_log,
     decode_event,
@@ -116,7 +119,7 @@ def test_unknown_types_and_fields_are_kept_not_fatal(tmp_path):
     assert events[0] == OtherEvent("output", {"stream": "stderr", "line": "epoch 1"})
     assert events[1] == step_event(1, 1, 1, 4, 30, DEVICES)
     assert events[2].type == "balance"
-    check_event_log(path)  # a log may start with a script's output
+    check_event_log(path, follow=True)  # a log may start with a script's output, its run to come
 
 
 def test_a_truncated_last_line_is_left_out_not_an_error(tmp_path):
@@ -159,14 +162,93 @@ def test_a_file_that_is_not_a_dptui_log_is_refused(tmp_path, content, words):
         check_event_log(path)
 
 
-def test_a_damaged_line_in_the_middle_names_its_number(tmp_path):
-    lines = jsonl(demo_events(DEVICES, epochs=1)).splitlines(keepends=True)
+def test_a_damaged_line_is_skipped_and_counted(tmp_path):
+    events = demo_events(DEVICES, epochs=1)
+    lines = jsonl(events).splitlines(keepends=True)
     lines[3] = '{"type": "step", "epoch": 1}\n'  # a step without its replicas
+    lines[4] = lines[4][:50] + "\n"  # a line cut short by a crash, then the log went on
     path = tmp_path / "damaged.jsonl"
     path.write_text("".join(lines))
     check_event_log(path)  # its start is fine
-    with pytest.raises(EventLogError, match="line 4: a damaged 'step' event"):
-        read_event_log(path)
+    with EventLogReader(path) as reader:
+        assert reader.read_rest() == events[:3] + events[5:]
+        assert reader.skipped == 2
+
+
+def step_json(**changes) -> dict:
+    data = to_json_dict(step_event(1, 1, 1, 4, 30, DEVICES))
+    for path, value in changes.items():
+        *parents, name = path.split("__")
+        target = data
+        for key in parents:
+            target = target[int(key)] if key.isdigit() else target[key]
+        target[name] = value
+    return data
+
+
+@pytest.mark.parametrize("bad", ["x", float("nan"), float("inf"), ["x"], {"a": 1}, True])
+def test_a_value_of_the_wrong_type_becomes_none_not_an_error(bad):
+    """A bad value shows as "–": NaN for a float, None for a count, the default where there is one."""
+    step = decode_event(step_json(epoch=bad, loss=bad, samples_per_s=bad, input_shape=bad,
+                                  replicas__0__chunk_size=bad, replicas__0__forward_ms=bad,
+                                  replicas__0__memory_bytes=bad, replicas__0__backward_ms=bad,
+                                  replicas__0__forward_timed=bad, engine__split_weights=bad, engine__even_ms=bad))
+    good = step_event(1, 1, 1, 4, 30, DEVICES)
+    assert step.epoch is None and step.input_shape == () and step.record.split_weights == ()
+    assert math.isnan(step.loss) and math.isnan(step.samples_per_s)
+    replica = step.record.replicas[0]
+    assert replica.chunk_size is None and replica.memory_bytes is None and math.isnan(replica.forward_ms)
+    assert replica.backward_ms is None and replica.forward_timed is True and step.record.even_ms is None
+    assert step.record.replicas[1:] == good.record.replicas[1:]  # the rest as written
+
+
+def test_a_count_written_as_a_whole_float_is_read_as_the_count():
+    step = decode_event(step_json(batch_size=30.0, replicas__0__chunk_size=10.0))
+    assert step.batch_size == 30 and step.record.replicas[0].chunk_size == 10
+
+
+def test_a_run_without_a_learning_rate_reads_back():
+    # `dptui run` logs carry lr null (a script's learning rate is its own), and null losses
+    started = RunStarted(RunConfig("DataParallel(Net)@t.py:3", "dptui run", DEVICES, DEVICES, 30, None,
+                                   float("nan"), None, 0))
+    data = to_json_dict(started)
+    assert data["config"]["lr"] is None
+    assert math.isnan(decode_event(data).config.lr)
+
+
+def test_a_log_of_a_newer_format_says_so_once_and_reads_what_it_knows(tmp_path):
+    started = to_json_dict(demo_events(DEVICES, epochs=0)[0])
+    path = tmp_path / "newer.jsonl"
+    step = to_json_dict(step_event(1, 1, 1, 4, 30, DEVICES))
+    path.write_text("".join(json.dumps(d) + "\n" for d in [
+        {**started, "format": eventlog.KNOWN_FORMAT + 1}, {**step, "meaning_changed": True}]))
+    note, started_event, step_event_read = read_event_log(path)
+    assert isinstance(note, LogNote) and f"format {eventlog.KNOWN_FORMAT + 1}" in note.text
+    assert isinstance(started_event, RunStarted) and step_event_read == step_event(1, 1, 1, 4, 30, DEVICES)
+
+
+@pytest.mark.parametrize("version", [None, 1, eventlog.KNOWN_FORMAT])
+def test_a_log_of_this_or_the_previous_format_reads_without_a_note(tmp_path, version):
+    started = to_json_dict(demo_events(DEVICES, epochs=0)[0])
+    if version is not None:
+        started["format"] = version
+    path = tmp_path / "run.jsonl"
+    path.write_text(json.dumps(started) + "\n")
+    assert [type(e) for e in read_event_log(path)] == [RunStarted]
+
+
+def test_a_log_needs_a_readable_run_started(tmp_path):
+    lines = jsonl(demo_events(DEVICES, epochs=1)).splitlines(keepends=True)
+    path = tmp_path / "run.jsonl"
+    path.write_text(lines[0][:40] + "\n" + "".join(lines))  # a damaged first line, then the run
+    check_event_log(path)
+    path.write_text('{"type": "script_started", "argv": ["t.py"], "pid": 1}\n' + "".join(lines[1:]))
+    with pytest.raises(EventLogError, match="no readable run_started"):
+        check_event_log(path)
+    check_event_log(path, follow=True)  # its run may still start
+    path.write_text("# notes\n")
+    with pytest.raises(EventLogError, match="line 1 is not JSON"):
+        check_event_log(path, follow=True)
 
 
 def test_a_followed_recording_publishes_lines_as_they_are_written_until_the_run_ends(tmp_path):

@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
 from waiting import wait_for
 
+from dpengine.eventlog.events import StepFinished
+from dpengine.eventlog.reader import OtherEvent, decode_step, read_line
 from dpengine.script import link as link_module
 from dpengine.script.link import ParentLink
-from dpengine.script.wire import step_from_json
 
 
 def a_record(make_dp):
@@ -58,7 +62,7 @@ def test_a_step_crosses_as_the_json_step_event(make_dp):
     link.flush()
     (line,) = Lines(events_r)()
     assert line["type"] == "step" and line["instance"] == "DataParallel(Linear)@x.py:1"
-    event = step_from_json(line)
+    event = decode_step(line)
     assert event.record.chunk_sizes == (3, 3) and event.record.replicas == record.replicas
     os.close(control_w)
 
@@ -117,3 +121,19 @@ def test_pause_holds_the_next_forward_until_resume():
     thread.join(10)
     assert passed.is_set()
     os.close(control_w)
+
+
+def test_a_step_crosses_the_dptui_run_pipe_whole():
+    """The pipe and the log share one decoder: every field the script's record has reaches dptui."""
+    script = Path(__file__).parent / "fixtures" / "scripts" / "records_whole.py"
+    done = subprocess.run(
+        [sys.executable, "-m", "tui.cli", "run", "--headless", "--json", "--devices", "cpu:0,cpu:1", str(script)],
+        capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent,
+    )
+    assert done.returncode == 0, done.stderr
+    events = [read_line(line.encode())[0] for line in done.stdout.splitlines()]
+    steps = [e.record for e in events if isinstance(e, StepFinished)]
+    printed = [e.fields["line"] for e in events if isinstance(e, OtherEvent) and e.type == "output"]
+    assert len(steps) == 12 and [repr(record) for record in steps] == printed  # as the script saw them
+    assert steps[0].split == "weights" and steps[0].split_weights == (0.75, 0.25)
+    assert steps[-1].even_ms is not None and not steps[-1].replicas[0].forward_timed

@@ -27,8 +27,6 @@ from textual.widgets import Footer
 from textual.worker import Worker, WorkerCancelled, WorkerFailed
 
 from dpengine.eventlog.events import RunFailed, RunFinished
-from dpengine.run.failures import run_failed
-
 from . import format as fmt
 from .screens.batch_size import BatchSizeScreen
 from .screens.devices import DevicesScreen
@@ -300,6 +298,9 @@ class DptuiApp(App[None]):
 def _failed(feed: Callable[[RunFailed], None], error: Exception) -> RunFailed:
     """An error raised outside the run's own reporting (a bad config, a recording that cannot
     be read on), fed to the view as the RunFailed a trainer would publish for it."""
+    # Here, not at the top: failures.py imports the engine (torch), which `dptui view` must not.
+    from dpengine.run.failures import run_failed
+
     event = run_failed(error)
     feed(event)
     return event

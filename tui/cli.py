@@ -85,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--every", type=whole_number("--every", 0), default=1, metavar="N",
                         help="headless text: print the per-step lines for every Nth step only (0: none)")
     parser.add_argument("--log", metavar="FILE", help="write the event stream as JSON Lines to FILE")
+    parser.add_argument("--trace", metavar="FILE",
+                        help="write each run as a trace Perfetto and chrome://tracing open (Chrome trace JSON)")
     parser.add_argument("--checkpoint", metavar="PATH",
                         help="save model and optimizer state at the end and on stop")
     parser.add_argument("--checkpoint-every", type=whole_number("--checkpoint-every", 1), metavar="N",
@@ -125,6 +127,8 @@ def check_args(argv: Sequence[str] | None) -> Settings:
         check_checkpoint_path(args.checkpoint)
     if args.log:
         check_log_path(args.log)
+    if args.trace:
+        check_log_path(args.trace, "--trace")
     return Settings(args=args, devices=devices, note=note)
 
 
@@ -337,6 +341,35 @@ class _StopOnInterrupt:
             signal.signal(signum, previous)
 
 
+def _trace_file(path: str | None):
+    """--trace FILE: one trace of every run the factory builds (`r` in the UI adds a process)."""
+    if not path:
+        return None
+    from dpengine.eventlog.trace import TraceFile
+
+    return TraceFile(path)
+
+
+def _traced(factory: RunFactory, trace) -> RunFactory:
+    def make() -> Run:
+        run = factory()
+        run.subscribe(trace)
+        return run
+
+    return make
+
+
+def _close_trace(trace, code: int) -> int:
+    """End the trace's JSON; a trace that could not be written is said in one line, exit 1."""
+    if trace is None:
+        return code
+    trace.close()
+    if trace.error is not None:
+        print(f"dptui: error: --trace {trace.path}: {trace.error.strerror or trace.error}", file=sys.stderr)
+        return EXIT_FAILED if code == EXIT_OK else code
+    return code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in SUBCOMMANDS:
@@ -349,19 +382,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     from dpengine.run.exit_now import exit_now  # now: a second Ctrl-C should not wait on an import
 
+    trace = _trace_file(settings.args.trace)
+    if trace is not None:
+        factory = _traced(factory, trace)
     try:
         with _LogFile(settings.args.log) as log:
             if settings.args.headless:
-                return run_headless(settings, factory, log)
-            from .app import run_app
+                code = run_headless(settings, factory, log)
+            else:
+                from .app import run_app
 
-            if log is None:
-                return run_app(factory)
-            log.say_at_once = False
-            code = run_app(log.logging(factory))
-            if log.failed:
-                print(log.error, file=sys.stderr)
-            return EXIT_FAILED if code == EXIT_OK and log.failed else code
+                if log is None:
+                    code = run_app(factory)
+                else:
+                    log.say_at_once = False
+                    code = run_app(log.logging(factory))
+                    if log.failed:
+                        print(log.error, file=sys.stderr)
+                    code = EXIT_FAILED if code == EXIT_OK and log.failed else code
+        return _close_trace(trace, code)
     except KeyboardInterrupt:
         print("dptui: interrupted", file=sys.stderr)
         exit_now(EXIT_INTERRUPTED)  # replicas may be stuck mid-step: teardown could wait on them

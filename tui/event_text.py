@@ -88,7 +88,7 @@ def started_log_line(config: RunConfig) -> str:
     epochs = "until stopped" if config.epochs is None else f"{config.epochs} epoch(s)"
     return (
         f"run started: {config.workload} on {', '.join(config.devices)}, "
-        f"batch {config.batch_size}, {epochs}, lr {config.lr:g}, seed {config.seed}"
+        f"batch {config.batch_size}, {epochs}, lr {fmt.number(config.lr)}, seed {config.seed}"
     )
 
 

@@ -59,9 +59,16 @@ def rate(value: float | None) -> str:
     return f"{value / 1_000_000:.1f}M"
 
 
-def loss(value: float | None) -> str:
-    if value is None:
+def number(value: float | None) -> str:
+    """A plain number as %g; "–" for none (a run that has no learning rate of its own)."""
+    if value is None or not math.isfinite(value):
         return "–"
-    if not math.isfinite(value):
-        return str(value)  # nan / inf: say so, it is the news
+    return f"{value:g}"
+
+
+def loss(value: float | None) -> str:
+    if value is None or math.isnan(value):
+        return "–"  # none reported (a script's, until it is), or null in a log
+    if math.isinf(value):
+        return str(value)  # inf: say so, it is the news
     return f"{value:.4f}" if abs(value) < 1000 else f"{value:.3g}"

@@ -94,13 +94,14 @@ def check_checkpoint_path(path: str) -> None:
         raise UsageError(f"--checkpoint {path}: cannot write in {parent} ({error.strerror or error})") from None
 
 
-def check_log_path(path: str) -> None:
-    """Refuse a --log that could not be written: a folder, a missing folder, no permission, a full device."""
-    _file_in_a_folder("--log", path)
+def check_log_path(path: str, flag: str = "--log") -> None:
+    """Refuse a --log (or --trace) that could not be written: a folder, a missing folder, no
+    permission, a full device."""
+    _file_in_a_folder(flag, path)
     try:
         _probe_writable(Path(path))
     except OSError as error:
-        raise UsageError(f"--log {path}: cannot write it ({error.strerror or error})") from None
+        raise UsageError(f"{flag} {path}: cannot write it ({error.strerror or error})") from None
 
 
 def _file_in_a_folder(flag: str, path: str) -> Path:

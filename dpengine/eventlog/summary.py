@@ -1,4 +1,8 @@
-"""Per-device figures of a whole recorded run: what `dptui view --headless` prints."""
+"""Per-device figures of a whole recorded run: what `dptui view --headless` prints.
+
+Summed as the events stream past (`RunSummary.feed`), so a log of any length takes the same
+memory: a few numbers per device.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .events import StepFinished
+from .events import RunFailed, RunFinished, RunStarted, StepFinished
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,30 +23,77 @@ class DeviceSummary:
     peak_memory_bytes: int | None  # the step peak on CUDA, else the largest saved-tensor memory
 
 
-def _mean(values: list[float]) -> float | None:
-    values = [v for v in values if v is not None and math.isfinite(v)]
-    return sum(values) / len(values) if values else None
+class _Mean:
+    __slots__ = ("total", "count")
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self.count = 0
+
+    def add(self, value: float | None) -> None:
+        if value is not None and math.isfinite(value):
+            self.total += value
+            self.count += 1
+
+    @property
+    def value(self) -> float | None:
+        return self.total / self.count if self.count else None
+
+
+class _Device:
+    __slots__ = ("chunks", "rows", "forward", "backward", "peak")
+
+    def __init__(self) -> None:
+        self.chunks = self.rows = 0
+        self.forward, self.backward = _Mean(), _Mean()
+        self.peak: int | None = None
+
+
+class RunSummary:
+    """A subscriber that sums a run's events: its start, its end, its steps and each device's share."""
+
+    def __init__(self) -> None:
+        self.started: RunStarted | None = None  # the first run_started
+        self.end: RunFinished | RunFailed | None = None  # the last end
+        self.steps = 0
+        self._devices: dict[str, _Device] = {}
+
+    def feed(self, event: object) -> None:
+        if isinstance(event, StepFinished):
+            self.steps += 1
+            for replica in event.record.replicas:
+                self._add(replica)
+        elif isinstance(event, RunStarted):
+            self.started = self.started or event
+        elif isinstance(event, (RunFinished, RunFailed)):
+            self.end = event
+
+    __call__ = feed
+
+    def _add(self, replica) -> None:
+        device = self._devices.get(replica.device)
+        if device is None:
+            device = self._devices[replica.device] = _Device()
+        device.chunks += 1
+        device.rows += replica.chunk_size or 0  # a bad value in the log counts no rows
+        device.forward.add(replica.forward_ms)
+        device.backward.add(replica.backward_ms)
+        peak = replica.peak_memory_bytes if replica.peak_memory_bytes is not None else replica.memory_bytes
+        if peak is not None and (device.peak is None or peak > device.peak):
+            device.peak = peak
+
+    def devices(self) -> tuple[DeviceSummary, ...]:
+        """One summary per device that ran a replica, in the order they first appear."""
+        return tuple(
+            DeviceSummary(device=name, chunks=d.chunks, rows=d.rows, forward_ms=d.forward.value,
+                          backward_ms=d.backward.value, peak_memory_bytes=d.peak)
+            for name, d in self._devices.items()
+        )
 
 
 def summarize(events: Iterable[object]) -> tuple[DeviceSummary, ...]:
     """One summary per device that ran a replica, in the order they first appear."""
-    per_device: dict[str, list] = {}
+    summary = RunSummary()
     for event in events:
-        if not isinstance(event, StepFinished):
-            continue
-        for replica in event.record.replicas:
-            per_device.setdefault(replica.device, []).append(replica)
-    summaries = []
-    for device, replicas in per_device.items():
-        peaks = [r.peak_memory_bytes if r.peak_memory_bytes is not None else r.memory_bytes for r in replicas]
-        summaries.append(
-            DeviceSummary(
-                device=device,
-                chunks=len(replicas),
-                rows=sum(r.chunk_size for r in replicas),
-                forward_ms=_mean([r.forward_ms for r in replicas]),
-                backward_ms=_mean([r.backward_ms for r in replicas]),
-                peak_memory_bytes=max((p for p in peaks if p is not None), default=None),
-            )
-        )
-    return tuple(summaries)
+        summary.feed(event)
+    return summary.devices()

@@ -4,6 +4,13 @@
 on the calling thread and, with follow, goes on publishing while the file grows, until
 stop() or, with stop_at_end, the run's last event (a UI that restarts a run goes on
 writing the same log). Steering raises ControlUnsupported: the run already happened.
+
+Given a `LogIndex`, `run()` publishes nothing: it reads the log's tail for the first screen,
+indexes the lines from the start, and then (with follow) the lines written since; the UI
+decodes the steps it shows from the index (see eventlog/index.py).
+
+With follow, a file that a new run starts over (the same --log path) or that is rotated is
+read again from its start.
 """
 
 from __future__ import annotations
@@ -13,10 +20,12 @@ import threading
 from collections.abc import Sequence
 
 from ..eventlog.events import ConfigChanged, Publisher, RunConfig, RunFailed, RunFinished, RunStarted
+from ..eventlog.index import LogIndex
 from ..eventlog.reader import EventLogReader
 from .protocol import BALANCE, BATCH_SIZE, DEVICES, PAUSE, ControlUnsupported
 
 FOLLOW_POLL_S = 0.2  # how often a followed file is checked for new lines
+FIRST_SCREEN_WAIT_S = 2.0  # the longest indexing waits for the UI to draw the tail
 
 
 class RecordedRun(Publisher):
@@ -24,10 +33,12 @@ class RecordedRun(Publisher):
 
     def __init__(
         self, path: str | os.PathLike, *, follow: bool = False, stop_at_end: bool = True,
-        poll_s: float = FOLLOW_POLL_S,
+        poll_s: float = FOLLOW_POLL_S, index: LogIndex | None = None, tail_steps: int = 0,
     ) -> None:
         super().__init__()
         self.path = os.fspath(path)
+        self.index = index
+        self._tail_steps = tail_steps  # with an index: the steps the first screen needs
         self.follow = follow
         self._stop_at_end = stop_at_end
         self._poll_s = poll_s
@@ -35,11 +46,18 @@ class RecordedRun(Publisher):
         self._config: RunConfig | None = None
         self._devices: tuple[str, ...] = ()
         self._end: RunFinished | RunFailed | None = None
+        self.skipped = 0  # lines that could not be read, once run() has returned
 
     def run(self) -> RunFinished | RunFailed | None:
-        """Publish the recorded events; the run's end as recorded (None if the log has none yet)."""
+        """Publish the recorded events; the run's end as recorded (None if the log has none yet,
+        or with an index, which publishes nothing)."""
         self._end = None
-        with EventLogReader(self.path) as reader:
+        self.skipped = 0
+        if self.index is not None:
+            self._read_indexed(self.index)
+            return None
+        reader = EventLogReader(self.path)
+        try:
             while not self._stop.is_set():
                 for event in reader.iter_new():
                     self._replay(event)
@@ -51,8 +69,31 @@ class RecordedRun(Publisher):
                     break
                 if self._end is not None and self._stop_at_end:
                     break
+                if reader.replaced():
+                    self.skipped += reader.skipped
+                    reader.close()
+                    reader = EventLogReader(self.path)
+                    continue
                 self._stop.wait(self._poll_s)
+        finally:
+            self.skipped += reader.skipped
+            reader.close()
         return self._end
+
+    def _read_indexed(self, index: LogIndex) -> None:
+        while not self._stop.is_set():
+            index.read_tail(self._tail_steps)
+            # The first screen before the index: both want the interpreter, and it comes first.
+            index.shown.wait(FIRST_SCREEN_WAIT_S)
+            index.build(self._stop)
+            if not self.follow:
+                index.finish()
+                return
+            while not self._stop.wait(self._poll_s):
+                if index.replaced():
+                    index.reset()
+                    break
+                index.update()
 
     def _replay(self, event: object) -> None:
         if isinstance(event, RunStarted):

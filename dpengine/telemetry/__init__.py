@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from .base import CombinedSource, TelemetrySource
 from .cpu import CpuSource
-from .nvml import NvmlSource
 from .poller import TelemetryPoller
 from .sample import DeviceSample
 
@@ -19,6 +19,19 @@ __all__ = [
     "TelemetrySource",
     "open_telemetry",
 ]
+
+if TYPE_CHECKING:
+    from .nvml import NvmlSource
+
+
+def __getattr__(name: str) -> Any:
+    # nvml.py imports torch (to match CUDA devices to NVML's): loaded when first asked for, so
+    # the event log, which uses DeviceSample, stays torch-free for `dptui view`.
+    if name == "NvmlSource":
+        from .nvml import NvmlSource
+
+        return NvmlSource
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def open_telemetry(
@@ -36,6 +49,8 @@ def open_telemetry(
         raise ValueError(f"no telemetry for devices {other}: expected cuda:N or cpu:N")
     sources: list[TelemetrySource] = []
     if cuda:
+        from .nvml import NvmlSource
+
         sources.append(NvmlSource(cuda))
     if cpu:
         sources.append(CpuSource(cpu, thread_ids, pid))

@@ -8,8 +8,6 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Input, Label, Static
 
-from dpengine.balance import parse_balance
-
 
 class WeightsScreen(ModalScreen[tuple[float, ...] | None]):
     """Dismisses with the weights, or None when cancelled; refuses a wrong count or bad numbers."""
@@ -29,6 +27,8 @@ class WeightsScreen(ModalScreen[tuple[float, ...] | None]):
             yield Static("enter applies at the next step (a: auto-balance), escape cancels", classes="hint")
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
+        from dpengine.balance import parse_balance  # here: it imports torch, which `dptui view` must not
+
         event.stop()
         try:
             weights = parse_balance(event.value, len(self._devices))

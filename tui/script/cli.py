@@ -21,7 +21,7 @@ from ..usage import parse_devices as parse_device_names
 from .script_run import GRACE_S, ScriptRun, ScriptTarget
 
 USAGE = "dptui run [OPTIONS] (SCRIPT.py | -m MODULE) [ARGS...]"
-_TAKES_VALUE = {"--devices", "--log", "--telemetry-interval", "--grace"}
+_TAKES_VALUE = {"--devices", "--log", "--trace", "--telemetry-interval", "--grace"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --headless: JSON Lines events on stdout, the script's output as "
                         '{"type": "output", ...} events')
     parser.add_argument("--log", metavar="FILE", help="write the run's events as JSON Lines to FILE")
+    parser.add_argument("--trace", metavar="FILE",
+                        help="write the run as a trace Perfetto and chrome://tracing open (Chrome trace JSON)")
     parser.add_argument("--telemetry-interval", type=number("telemetry interval", at_least=0.2),
                         default=1.0, metavar="S", help="seconds between device samples, >= 0.2 (default 1)")
     parser.add_argument("--no-telemetry", action="store_true", help="do not poll device telemetry")
@@ -76,6 +78,8 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, ScriptTarget]:
             raise UsageError(f"no such script: {target.program}")
     if args.log:
         check_log_path(args.log)
+    if args.trace:
+        check_log_path(args.trace, "--trace")
     return args, target
 
 
@@ -113,9 +117,15 @@ def main(argv: Sequence[str]) -> int:
         telemetry_interval=None if args.no_telemetry else args.telemetry_interval, grace_s=args.grace,
     )
     log = open(args.log, "w", encoding="utf-8") if args.log else None
+    trace = None
     try:
         if log is not None:
             run.subscribe(_json_lines(log))
+        if args.trace:
+            from dpengine.eventlog.trace import TraceFile
+
+            trace = TraceFile(args.trace)
+            run.subscribe(trace)
         if not args.headless:
             from .app import run_script_app
 
@@ -125,6 +135,11 @@ def main(argv: Sequence[str]) -> int:
         run.kill()  # never leave the script's group behind, whatever happened here
         if log is not None:
             log.close()
+        if trace is not None:
+            trace.close()
+            if trace.error is not None:
+                print(f"dptui run: error: --trace {trace.path}: {trace.error.strerror or trace.error}",
+                      file=sys.stderr)
 
 
 def _json_lines(stream: IO[str]):

@@ -32,6 +32,7 @@ from dpengine.eventlog.events import (
     StateChanged,
     TelemetrySampled,
 )
+from dpengine.eventlog.reader import EventLogError, decode_step
 from dpengine.run.protocol import BALANCE, BATCH_SIZE, DEVICES, PAUSE, ControlUnsupported
 from dpengine.script import wire
 
@@ -271,7 +272,10 @@ class ScriptRun(Publisher):
 
     def _on_step(self, body: dict[str, Any]) -> None:
         """Every instance's steps go out (the log and --json keep them all); the panels take the shown one's."""
-        event = wire.step_from_json(body)
+        try:
+            event = decode_step(body)
+        except EventLogError:
+            return  # a damaged record: the screen goes on with the next
         if self._config is None and event.instance == self._shown:
             self._devices = event.record.devices
             self._config = self._run_config(event.batch_size)

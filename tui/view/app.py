@@ -1,20 +1,24 @@
 """`dptui view LOG`: the app's screen on a recorded run, stepped through with the arrow keys.
 
-The recording is read on the app's training worker thread (it is a `RecordedRun`, driven
-like a trainer) into a `ReplayView`; the screen pulls from it at the app's 10 Hz as it
-does from a live run. Steering keys say that a recording cannot be steered.
+The recording is indexed on the app's training worker thread (it is a `RecordedRun`, driven
+like a trainer, reading into a `LogIndex`); the screen pulls from a `ReplayView` at the
+app's 10 Hz as it does from a live run, and the view decodes the steps it shows. Steering
+keys say that a recording cannot be steered.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 from textual.binding import Binding
 from textual.screen import ModalScreen
 
-from dpengine.run.recorded_run import RecordedRun
+from dpengine.eventlog.index import LogIndex
+from dpengine.run.recorded_run import FOLLOW_POLL_S, RecordedRun
 
 from ..app import PLAIN_KEY_ACTIONS, DptuiApp
+from ..state import HISTORY_POINTS
 from .replay import ReplayView
 
 STEP_ACTIONS = {"step", "first", "last"}
@@ -44,12 +48,19 @@ class ViewerApp(DptuiApp):
         Binding("r", "restart", show=False),
     ]
 
-    def __init__(self, recording: RecordedRun, **kwargs) -> None:
-        self.recording = recording
-        super().__init__(lambda: recording, **kwargs)
+    def __init__(self, path: str | os.PathLike, *, follow: bool = False, poll_s: float = FOLLOW_POLL_S,
+                 **kwargs) -> None:
+        self.index = LogIndex(path)
+        self.recording = RecordedRun(path, follow=follow, poll_s=poll_s, index=self.index,
+                                     tail_steps=HISTORY_POINTS)
+        super().__init__(lambda: self.recording, **kwargs)
 
     def _new_view(self) -> ReplayView:
-        return ReplayView()
+        return ReplayView(self.index)
+
+    def on_unmount(self) -> None:
+        super().on_unmount()  # stops the reader
+        self.index.close()
 
     @property
     def replay(self) -> ReplayView:
@@ -64,9 +75,24 @@ class ViewerApp(DptuiApp):
     # -- stepping ---------------------------------------------------------------------
 
     def _move(self, **where: int) -> None:
-        if self.replay.move(**where):
-            self.log_view.clear()  # the log as it was at that step, written anew
+        indexing = self.replay.indexing
+        if indexing is not None:
+            self.notify(f"Reading the log ({100 * indexing:.0f}%): stepping works once it is read.",
+                        severity="warning", timeout=2)
+            return
+        self.replay.move(**where)
         self.refresh_view()
+
+    def _refresh_widgets(self) -> None:
+        super()._refresh_widgets()
+        if not self.index.shown.is_set() and self.replay.started:
+            # The tail's screen is laid out: once it is painted, the index may take the interpreter.
+            self.call_after_refresh(self.index.shown.set)
+
+    def _flush_log(self) -> None:
+        if self.replay.take_rebuilt():
+            self.log_view.clear()  # the log as it was at the shown step, written anew
+        super()._flush_log()
 
     def action_step(self, by: int) -> None:
         self._move(by=by)
@@ -115,8 +141,8 @@ class ViewerApp(DptuiApp):
     action_quit_app = action_quit
 
 
-def run_viewer(recording: RecordedRun) -> int:
+def run_viewer(path: str, follow: bool) -> int:
     """Show the recording in this terminal until the user quits; the exit status."""
-    app = ViewerApp(recording)
+    app = ViewerApp(path, follow=follow)
     app.run()
     return app.return_code or 0

@@ -9,11 +9,15 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
-from ..usage import EXIT_USAGE, Parser, UsageError
+from ..usage import EXIT_USAGE, Parser, UsageError, check_log_path
 
-EXIT_OK, EXIT_INTERRUPTED = 0, 130
+if TYPE_CHECKING:
+    from dpengine.eventlog.summary import RunSummary
+    from dpengine.run.recorded_run import RecordedRun
+
+EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,13 +25,17 @@ def build_parser() -> argparse.ArgumentParser:
         prog="dptui view",
         description="Open a recorded run: a --log file, or what --headless --json printed. "
         "Left and right step through its steps, home and end jump to the first and last.",
-        epilog="Exit status: 0 done, 2 bad usage or not a dptui log, 130 interrupted.",
+        epilog="Exit status: 0 done, 1 the trace could not be written, 2 bad usage or not a dptui log, "
+        "130 interrupted.",
     )
     parser.add_argument("log", metavar="LOG.jsonl", help="the JSON Lines of a run")
     parser.add_argument("--follow", "-f", action="store_true",
                         help="keep reading while the file grows (a run still writing it)")
     parser.add_argument("--headless", action="store_true",
                         help="print a per-device summary: chunks, mean forward and backward ms, peak memory")
+    parser.add_argument("--trace", metavar="OUT.json",
+                        help="write the run as a trace Perfetto (ui.perfetto.dev) and chrome://tracing open: "
+                        "a track per replica or rank, an event per phase per step")
     return parser
 
 
@@ -40,26 +48,23 @@ def check_log(path: str, follow: bool) -> None:
         raise UsageError(f"{path}: no such file")
     if not file.is_file():
         raise UsageError(f"{path}: not a file")
+    if not follow and file.stat().st_size == 0:
+        raise UsageError(f"{path}: empty, not a dptui log (--follow waits for a run to write it)")
     try:
-        check_event_log(file)
+        check_event_log(file, follow=follow)
     except OSError as error:
         raise UsageError(f"{path}: {error.strerror or error}") from None
     except EventLogError as error:
         raise UsageError(f"{path}: {error}") from None
-    if not follow and file.stat().st_size == 0:
-        raise UsageError(f"{path}: empty, not a dptui log (--follow waits for a run to write it)")
 
 
-def summary_lines(events: Sequence[object]) -> list[str]:
+def summary_lines(summary: RunSummary, skipped: int = 0) -> list[str]:
     """The run in one line, then a table with one row per device."""
-    from dpengine.eventlog.events import RunFailed, RunFinished, RunStarted, StepFinished
-    from dpengine.eventlog.summary import summarize
+    from dpengine.eventlog.events import RunFailed, RunFinished
 
     from .. import format as fmt
 
-    started = next((e for e in events if isinstance(e, RunStarted)), None)
-    end = next((e for e in reversed(events) if isinstance(e, (RunFinished, RunFailed))), None)
-    steps = sum(isinstance(e, StepFinished) for e in events)
+    started, end, steps = summary.started, summary.end, summary.steps
     head = f"{started.config.workload} · {started.config.backend}" if started else "a run without its start"
     if isinstance(end, RunFinished):
         outcome = f"{'stopped' if end.stopped else 'finished'}, final loss {fmt.loss(end.final_loss)}"
@@ -67,8 +72,10 @@ def summary_lines(events: Sequence[object]) -> list[str]:
         outcome = f"failed: {end.error}"
     else:
         outcome = "not finished"
+    if skipped:
+        outcome += f", {skipped} line{'' if skipped == 1 else 's'} skipped"
     rows = [("device", "chunks", "rows", "forward ms", "backward ms", "peak memory")]
-    for s in summarize(events):
+    for s in summary.devices():
         rows.append((s.device, str(s.chunks), str(s.rows), fmt.ms(s.forward_ms), fmt.ms(s.backward_ms),
                      fmt.size(s.peak_memory_bytes)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
@@ -79,16 +86,40 @@ def summary_lines(events: Sequence[object]) -> list[str]:
     return [f"{head}: {steps} step{'' if steps == 1 else 's'}, {outcome}", *table]
 
 
-def print_summary(recording, out: IO[str]) -> int:
-    events: list[object] = []
-    recording.subscribe(events.append)
+def print_summary(recording: RecordedRun, out: IO[str]) -> int:
+    """Stream the log into per-device sums (a log of any length in the same memory), then print them."""
+    from dpengine.eventlog.reader import LogNote
+    from dpengine.eventlog.summary import RunSummary
+
+    summary = RunSummary()
+    recording.subscribe(summary.feed)
+    recording.subscribe(lambda e: _say(e.text) if isinstance(e, LogNote) else None)
     code = EXIT_OK
     try:
         recording.run()
     except KeyboardInterrupt:  # while following: the summary of what was read
         code = EXIT_INTERRUPTED
-    out.write("\n".join(summary_lines(events)) + "\n")
+    out.write("\n".join(summary_lines(summary, recording.skipped)) + "\n")
     return code
+
+
+def write_trace(log: str, out: str) -> int:
+    """Convert the log to a trace, streaming; one line on stderr says what was written."""
+    from dpengine.eventlog.trace import APPROXIMATE, export_trace
+
+    with open(out, "w", encoding="utf-8") as file:
+        trace = export_trace(log, file)
+    if trace.error is not None:
+        _say(f"error: --trace {out}: {trace.error.strerror or trace.error}")
+        return EXIT_FAILED
+    runs = f"{trace.runs} run{'' if trace.runs == 1 else 's'}"
+    how = f" ({APPROXIMATE}: the log has no phase start times)" if trace.approximate else ""
+    _say(f"{trace.steps} steps of {runs} written to {out}{how}; open it in Perfetto (ui.perfetto.dev)")
+    return EXIT_OK
+
+
+def _say(text: str) -> None:
+    print(f"dptui view: {text}", file=sys.stderr)
 
 
 def main(argv: Sequence[str]) -> int:
@@ -98,15 +129,18 @@ def main(argv: Sequence[str]) -> int:
     try:
         args = build_parser().parse_args(argv)
         check_log(args.log, args.follow)
-        # The UI follows until quit: the log may go on with a restarted run.
-        recording = RecordedRun(args.log, follow=args.follow, stop_at_end=args.headless)
+        if args.trace:
+            check_log_path(args.trace, "--trace")
+            return write_trace(args.log, args.trace)
         if args.headless:
-            return print_summary(recording, sys.stdout)
+            # Following ends with the run; the UI follows until quit (a log may go on with a restarted run).
+            return print_summary(RecordedRun(args.log, follow=args.follow, stop_at_end=True), sys.stdout)
         from .app import run_viewer
 
-        return run_viewer(recording)
+        return run_viewer(args.log, args.follow)
     except (UsageError, EventLogError) as error:
-        # An EventLogError here is damage past the first line, found while reading.
+        # An EventLogError here is a file that stopped being a log while read (rare: damaged
+        # lines are skipped).
         where = "" if isinstance(error, UsageError) else f"{args.log}: "
         print(f"dptui view: error: {where}{error}", file=sys.stderr)
         return EXIT_USAGE

@@ -8,6 +8,7 @@ microseconds and take one style for the whole chart.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from statistics import fmean
 
@@ -32,7 +33,8 @@ def spark_rows(values: Sequence[float], width: int, height: int = 1) -> list[str
     """
     if height <= 0:
         return []
-    points = columns(values, width)
+    # NaN is no value (a loss the script never reported, a bad value in a log): no bar for it.
+    points = columns([v for v in values if math.isfinite(v)], width)
     if not points:
         return [" " * max(width, 0)] * height
     low, high = min(points), max(points)

@@ -1,0 +1,196 @@
+"""The trace Perfetto opens: `dptui view --trace`, and `--trace` on a live run, checked against the records."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from ui_fakes import demo_events, step_event
+
+from dpengine.eventlog.events import StepFinished, to_json_dict
+from dpengine.eventlog.reader import read_event_log
+from dpengine.eventlog.trace import APPROXIMATE, TraceWriter, export_trace
+from tui.cli import main
+
+DEVICES = ("cpu:0", "cpu:1", "cpu:2")
+ROOT = Path(__file__).parent.parent
+
+
+def trace_of(objects) -> list[dict]:
+    out = _Text()
+    writer = TraceWriter(out)
+    for data in objects:
+        writer.add(data)
+    writer.close()
+    return json.loads(out.text)
+
+
+class _Text:
+    def __init__(self) -> None:
+        self.text = ""
+
+    def write(self, text: str) -> None:
+        self.text += text
+
+    def flush(self) -> None:
+        pass
+
+
+def named(trace: list[dict], what: str) -> dict[tuple[int, int], str]:
+    return {(e["pid"], e.get("tid")): e["args"]["name"] for e in trace if e["ph"] == "M" and e["name"] == what}
+
+
+def complete(trace: list[dict], name: str) -> list[dict]:
+    return [e for e in trace if e["ph"] == "X" and e["name"] == name]
+
+
+def test_a_real_runs_log_exports_one_event_per_phase_per_step(tmp_path, capsys):
+    log, out = tmp_path / "run.jsonl", tmp_path / "trace.json"
+    args = ["--headless", "--json", "--no-telemetry", "--devices", ",".join(DEVICES), "--seed", "1", "--epochs", "2"]
+    assert main(args) == 0
+    log.write_text(capsys.readouterr().out)
+    steps = [e for e in read_event_log(log) if isinstance(e, StepFinished)]
+    assert main(["view", "--trace", str(out), str(log)]) == 0
+    said = capsys.readouterr().err
+    assert f"8 steps of 1 run written to {out}" in said and APPROXIMATE in said
+
+    trace = json.loads(out.read_text())
+    (process,) = named(trace, "process_name").values()
+    assert process.startswith("run 1: seed · dp") and APPROXIMATE in process  # no start times in this log
+    tracks = named(trace, "thread_name")
+    assert sorted(tracks.values()) == ["cpu:0", "cpu:1", "cpu:2", "engine"]
+    by_track = {name: tid for (pid, tid), name in tracks.items()}
+    forwards = complete(trace, "forward")
+    assert len(forwards) == 8 * 3 and len(complete(trace, "backward")) == 8 * 3
+    for event in forwards:  # each replica's forward lasts what its record says
+        step = steps[event["args"]["step"] - 1]
+        (replica,) = [r for r in step.record.replicas if by_track[r.device] == event["tid"]]
+        assert event["dur"] / 1000 == pytest.approx(replica.forward_ms, rel=1e-12)
+        assert event["args"]["rows"] == replica.chunk_size
+    instants = [e for e in trace if e["ph"] == "i"]
+    assert [e["name"] for e in instants] == [f"step {n}" for n in range(1, 9)]
+    # Steps follow one another, and each phase lies inside its step.
+    starts = [e["ts"] for e in instants]
+    assert starts == sorted(starts)
+    for phase in ("scatter", "replicate", "apply", "gather"):
+        assert len(complete(trace, phase)) == 8
+    gathers = complete(trace, "gather")
+    for start, gather, step in zip(starts, gathers, steps):
+        assert gather["ts"] + gather["dur"] == pytest.approx(start + step.record.total_ms * 1000)
+
+
+def with_starts(event: StepFinished) -> dict:
+    """A step as a log with the engine's phase start times will carry it."""
+    data = to_json_dict(event)
+    engine = data["engine"]
+    engine.update(scatter_start_ms=0.0, replicate_start_ms=0.05, apply_start_ms=0.15, gather_start_ms=0.85)
+    for i, replica in enumerate(data["replicas"]):
+        replica.update(forward_start_ms=0.16 + 0.01 * i, backward_start_ms=1.0 + 0.1 * i)
+    return data
+
+
+def test_start_times_where_the_log_has_them_and_no_approximate_mark():
+    events = demo_events(DEVICES, epochs=1)
+    trace = trace_of([to_json_dict(events[0]), *(with_starts(e) for e in events if isinstance(e, StepFinished))])
+    (process,) = named(trace, "process_name").values()
+    assert APPROXIMATE not in process
+    instants = [e["ts"] for e in trace if e["ph"] == "i"]
+    tracks = {name: tid for (pid, tid), name in named(trace, "thread_name").items()}
+    for event in complete(trace, "backward"):
+        index = DEVICES.index(next(n for n, t in tracks.items() if t == event["tid"]))
+        assert event["ts"] == pytest.approx(instants[event["args"]["step"] - 1] + (1.0 + 0.1 * index) * 1000)
+    (gather,) = [e for e in complete(trace, "gather") if e["args"]["step"] == 2]
+    assert gather["ts"] == pytest.approx(instants[1] + 0.85 * 1000)
+
+
+def rank_step(rank: int, step: int, slow: float = 0.0) -> dict:
+    """A DDP rank's step as issue 21's `rank_step` event carries it."""
+    phases = dict(data_ms=1.0, forward_ms=5.0 + slow, backward_ms=8.0, comm_wait_ms=2.0 - min(slow, 2.0),
+                  optimizer_ms=1.5, other_ms=0.5)
+    return {"type": "rank_step", "rank": rank, "step": step, **phases, "total_ms": sum(phases.values()),
+            "loss": 0.5, "samples": 16, "micro_batches": 1, "memory_bytes": 1 << 20, "peak_memory_bytes": None}
+
+
+def test_ddp_ranks_get_a_track_each_and_steps_align_on_the_slowest():
+    started = to_json_dict(demo_events(("cpu:0", "cpu:1"), epochs=0)[0])
+    started["config"]["backend"] = "ddp"
+    events = [started] + [rank_step(rank, step, slow=3.0 * rank) for step in (1, 2, 3) for rank in (0, 1)]
+    trace = trace_of(events)
+    tracks = named(trace, "thread_name")
+    assert {"rank 0", "rank 1"} <= set(tracks.values())
+    for phase in ("data", "forward", "backward", "comm_wait", "optimizer", "other"):
+        assert len(complete(trace, phase)) == 6, phase
+    forwards = complete(trace, "forward")
+    assert sorted(e["dur"] / 1000 for e in forwards) == [5.0, 5.0, 5.0, 8.0, 8.0, 8.0]
+    starts = [e["ts"] for e in trace if e["ph"] == "i"]
+    slowest = max(sum(v for k, v in rank_step(r, 1, 3.0 * r).items() if k.endswith("_ms")
+                      and k != "total_ms") for r in (0, 1))
+    assert starts[1] - starts[0] == pytest.approx(slowest * 1000)
+    (data_1,) = [e for e in complete(trace, "data") if e["args"]["step"] == 2 and tracks[(1, e["tid"])] == "rank 1"]
+    assert data_1["ts"] == starts[1]  # each rank's phases from the step's start, end to end
+    (process,) = named(trace, "process_name").values()
+    assert APPROXIMATE in process
+
+
+def test_each_run_is_a_process_and_the_file_is_valid_json_as_it_is_written():
+    first, second = demo_events(DEVICES, epochs=1), demo_events(DEVICES, epochs=1)
+    out = _Text()
+    writer = TraceWriter(out)
+    for event in first + second:
+        writer(event)  # a live run's events, as dataclasses
+    # Before close() the array is open, which the format allows (a run cut short still opens).
+    assert out.text.startswith("[") and not out.text.rstrip().endswith("]")
+    writer.close()
+    trace = json.loads(out.text)
+    assert sorted({e["pid"] for e in trace}) == [1, 2]
+    assert len(named(trace, "process_name")) == 2
+
+
+def test_bad_values_leave_their_phase_out(tmp_path):
+    data = to_json_dict(step_event(1, 1, 1, 1, 30, DEVICES))
+    data["replicas"][0]["forward_ms"] = None  # NaN in the run
+    data["replicas"][1]["forward_ms"] = "fast"
+    trace = trace_of([to_json_dict(demo_events(DEVICES, epochs=0)[0]), data])
+    assert len(complete(trace, "forward")) == 1
+
+
+def test_dptui_and_dptui_run_write_a_trace_of_a_live_run(tmp_path):
+    trace_file, log = tmp_path / "live.json", tmp_path / "live.jsonl"
+    done = subprocess.run(
+        [sys.executable, "-m", "tui.cli", "--headless", "--no-telemetry", "--devices", "cpu:0,cpu:1", "--seed", "1",
+         "--log", str(log), "--trace", str(trace_file)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    steps = [e for e in read_event_log(log) if isinstance(e, StepFinished)]
+    trace = json.loads(trace_file.read_text())
+    forwards = sorted(e["dur"] for e in complete(trace, "forward"))
+    assert forwards == pytest.approx(sorted(r.forward_ms * 1000 for s in steps for r in s.record.replicas))
+
+    script = ROOT / "tests" / "fixtures" / "scripts" / "plain_loop.py"
+    done = subprocess.run(
+        [sys.executable, "-m", "tui.cli", "run", "--headless", "--no-telemetry", "--devices", "cpu:0,cpu:1",
+         "--trace", str(trace_file), str(script), "3"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    trace = json.loads(trace_file.read_text())
+    assert [e["name"] for e in trace if e["ph"] == "i"] == ["step 1", "step 2", "step 3"]
+    assert len(complete(trace, "forward")) == 6
+
+
+def test_a_trace_path_that_cannot_be_written_is_bad_usage(tmp_path, capsys):
+    log = tmp_path / "run.jsonl"
+    log.write_text("".join(json.dumps(to_json_dict(e)) + "\n" for e in demo_events(DEVICES, epochs=1)))
+    assert main(["view", "--trace", str(tmp_path / "no" / "t.json"), str(log)]) == 2
+    assert "--trace" in capsys.readouterr().err
+    assert main(["--trace", str(tmp_path), "--headless"]) == 2
+    assert "--trace" in capsys.readouterr().err
+
+
+def test_export_streams_a_log_it_does_not_hold(tmp_path):
+    log, out = tmp_path / "run.jsonl", tmp_path / "t.json"
+    lines = [json.dumps(to_json_dict(e)) for e in demo_events(DEVICES, epochs=2)]
+    log.write_text("\n".join([lines[0], "not json", *lines[1:]]) + "\n")
+    with open(out, "w") as file:
+        writer = export_trace(log, file)
+    assert writer.steps == 8 and len(json.loads(out.read_text())) > 8
