@@ -54,7 +54,7 @@ class DataParallel(EngineDataParallel):
     def _dptui_attach(self, link: ParentLink, label: str, copy_of: str | None = None) -> None:
         object.__setattr__(self, "_dptui_key", label)
         link.announce(label, [device_name(d) for d in self.devices], copy_of=copy_of)
-        self.subscribe(self._dptui_post_step)  # a bound method: a copy's posts as the copy
+        self.subscribe(self._dptui_post_step)  # posts under this object's own label (a copy: the copy's)
         link.watch_threads(label, self.worker_thread_ids)
 
     def _dptui_post_step(self, record) -> None:
