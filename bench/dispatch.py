@@ -133,6 +133,26 @@ def engine_cpu_us(dp: DataParallel, batch: torch.Tensor, target: torch.Tensor, r
     return samples
 
 
+def _scatter_copies(rounds: int, inner: int) -> list:
+    """What laying chunks out as torch's scatter does costs (issue 18.5): a batch of 256 x 1024
+    floats over the 4 devices, split along dim 0 (dense chunks: nothing copied) and along dim 1
+    (chunks past device 0 copied contiguous), against the plain views `Tensor.split` gives."""
+    devices, split = [torch.device("cpu", i) for i in range(DEVICES)], Split(DEVICES)
+    batch = torch.randn(256, 1024)
+    rows = []
+    for dim in (0, 1):
+        sizes = [batch.size(dim) // DEVICES] * DEVICES
+        st = stats(interleave(
+            {"views": lambda: batch.split(sizes, dim),
+             "scatter": lambda: scatter_kwargs((batch,), {}, devices, split, dim)},
+            rounds=rounds, inner=inner, warmup=inner,
+        ))
+        what = "dense chunks, none copied" if dim == 0 else "3 strided chunks copied"
+        rows += time_rows("1 dispatch", f"scatter 256x1024 along dim {dim}, {DEVICES} devices ({what})", st,
+                          "views", "us", {"views": "Tensor.split views", "scatter": "dpengine scatter_kwargs"})
+    return rows
+
+
 def run(quick: bool = False) -> Section:
     section = Section(1, "dispatch overhead")
     rounds, inner = (9, 20) if quick else (41, 60)
@@ -204,6 +224,7 @@ def run(quick: bool = False) -> Section:
         )
     dp.close()
     dp_off.close()
+    section.rows += _scatter_copies(rounds, inner)
 
     detail = (f"paired {paired:.2f}x; dispatch only {only['threads'].median / only['pool'].median:.2f}x; "
               f"plain module {st['dp'].median / st['plain'].median:.0f}x faster than dpengine")

@@ -6,8 +6,18 @@ proposes weights, one per device, under which the predicted slowest replica fini
 It adopts them only when that prediction beats the current split's by `margin` (hysteresis),
 so measurement noise does not make the split oscillate, and keeps them only when the steps that
 follow measure faster too: where a replica's time does not grow with its rows (a tiny model,
-all fixed costs) per-row estimates mislead, so such a trial is undone and not retried for a while. Weights, not sizes: the same plan cuts
-any batch, including an epoch's smaller last one (`balanced_sizes`).
+all fixed costs) per-row estimates mislead, so such a trial is undone and not retried for a while.
+Weights, not sizes: the same plan cuts any batch, including an epoch's smaller last one
+(`balanced_sizes`).
+
+Load changes while it runs (another job moves from one device to another), so every judgement
+is made on fresh measurements: a trial that measured no faster than the split before it is
+undone and that split measured again before anything is concluded (if it now measures slower
+than the trial did, the conditions changed, not the trial's merit, and the trial comes back);
+a hold against retrying ends when the current split's time per row moves by LOAD_CHANGE; and a
+device that got no rows for PROBE_AFTER steps (a batch smaller than the device count) is given
+a probe share for one step, so its estimate never goes stale for good. The even-split time it
+reports is marked unsure when the per-row model fits the measurements badly (fixed costs).
 
 Both backends use it: `DataParallel(balance="auto")` feeds it from its own step records, and
 every DDP rank feeds an identical copy from timings gathered to all ranks, so all ranks derive
@@ -17,6 +27,7 @@ the same split.
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,6 +40,10 @@ WINDOW = 8  # recent steps the per-row estimate is taken over
 MARGIN = 0.05  # a new split must be predicted this much faster than the current one
 HOLD_STEPS = 50  # after a new split that measured no faster, keep the old one this long (doubling)
 MAX_HOLD_STEPS = 1600
+LOAD_CHANGE = 0.25  # a hold ends once the current split's time per row moves this much
+PROBE_AFTER = 32  # a device without rows for this many steps gets a probe share for one step
+FIT_SAMPLES = 16  # per device, the last (rows, ms) measurements, across splits, for the fit check
+UNSURE_FIT = 0.20  # relative residuals of the per-row model beyond this: even_ms is a guess
 
 Balance = str | tuple[float, ...]  # "even", "auto", or one weight per device
 
@@ -39,8 +54,12 @@ class BalancePlan:
 
     weights: tuple[float, ...]  # per device slot, summing to 1
     changed: bool  # this step's measurements made the balancer adopt `weights`
-    predicted_ms: float  # the slowest replica's time under `weights`, for the last batch
-    even_ms: float  # the same under torch's even split
+    # The slowest replica's time under `weights`, and under torch's even split, for the last
+    # batch; None while some device has no estimate yet.
+    predicted_ms: float | None
+    even_ms: float | None
+    # The per-row model fits the measurements badly (residuals over UNSURE_FIT): even_ms is a guess.
+    even_unsure: bool = False
 
 
 def parse_balance(text: str, device_count: int | None = None) -> Balance:
@@ -112,6 +131,7 @@ class Balancer:
     def __init__(
         self, device_count: int, *, allow_zero: bool = False, warmup: int = WARMUP_STEPS,
         min_steps: int = MIN_STEPS, window: int = WINDOW, margin: float = MARGIN,
+        probe_after: int = PROBE_AFTER,
     ) -> None:
         if device_count < 1:
             raise ValueError("the balancer needs at least one device")
@@ -120,14 +140,23 @@ class Balancer:
         self.margin = margin
         self._warmup = warmup
         self._min_steps = min_steps
+        self._probe_after = probe_after
+        # The current split's recent steps: cleared whenever the split changes.
         self._history: deque[tuple[tuple[int, ...], tuple[float, ...]]] = deque(maxlen=window)
         self.weights: tuple[float, ...] = (1.0 / device_count,) * device_count
         self.changes = 0
-        # Each device's last estimate: one left without rows (allow_zero) keeps its rate.
+        # Each device's last estimate: one left without rows keeps its rate.
         self._rates: list[float | None] = [None] * device_count
+        # Per device, its last measurements across splits, for how well time follows rows.
+        self._samples = [deque(maxlen=FIT_SAMPLES) for _ in range(device_count)]
+        self._idle = [0] * device_count  # steps since each device last got rows
         # A new split on trial: the weights before it and the slowest replica's ms per row then.
         self._trial: tuple[tuple[float, ...], float] | None = None
+        # A trial undone, its split and what it measured, while the split before is measured again.
+        self._recheck: tuple[tuple[float, ...], float] | None = None
+        self._probe: tuple[float, ...] | None = None  # the weights a one-step probe interrupted
         self._hold = 0  # steps left before another split may be tried
+        self._hold_ms = 0.0  # the current split's ms per row when the hold began
         self._next_hold = HOLD_STEPS
 
     def observe(self, chunk_sizes: Sequence[int], times_ms: Sequence[float]) -> BalancePlan | None:
@@ -141,39 +170,110 @@ class Balancer:
         if self._warmup > 0:
             self._warmup -= 1
             return None
-        self._history.append((tuple(int(n) for n in chunk_sizes), tuple(float(t) for t in times_ms)))
+        sizes = tuple(int(n) for n in chunk_sizes)
+        times = tuple(float(t) for t in times_ms)
+        for i, (n, t) in enumerate(zip(sizes, times)):
+            if n > 0:
+                self._samples[i].append((n, t))
+                self._idle[i] = 0
+            else:
+                self._idle[i] += 1
+        rows = sum(sizes)
+        if self._probe is not None:
+            # A probe step: its rates count, its split is not the one being judged. Back to it.
+            for i, (n, t) in enumerate(zip(sizes, times)):
+                if n > 0 and not self._has_rows(i):  # (the others' estimates come from the history)
+                    self._rates[i] = t / n
+            self.weights, self._probe = self._probe, None
+            return self._plan(rows, True)
+        self._history.append((sizes, times))
         rates = self.per_row_ms()
         if rates is None:
-            return None
-        rows = sum(chunk_sizes)
-        current = self.predict_ms(rows, self.weights, rates)
-        even = _slowest(even_sizes(rows, self.device_count) + [0] * self.device_count, rates)
+            return self._start_probe(rows)
         if len(self._history) < self._min_steps:
-            return BalancePlan(self.weights, False, current, even)
+            return self._plan(rows, False, rates)
+        measured = self._measured_ms_per_row()
         if self._trial is not None:
             before, before_ms = self._trial
             self._trial = None
-            if self._measured_ms_per_row() >= before_ms * (1.0 - self.margin / 2):
-                # The prediction did not come true: go back, and wait longer each time.
-                self.weights = before
-                self.changes += 1
-                self._hold, self._next_hold = self._next_hold, min(2 * self._next_hold, MAX_HOLD_STEPS)
-                self._history.clear()
-                return BalancePlan(before, True, self.predict_ms(rows, before, rates), even)
+            if measured >= before_ms * (1.0 - self.margin / 2):
+                # No faster than the split before measured: go back to it, and measure it again
+                # before concluding anything (the load may have changed meanwhile).
+                self._recheck = (self.weights, measured)
+                return self._adopt(before, rows, rates)
             self._next_hold = HOLD_STEPS
+        elif self._recheck is not None:
+            trial, trial_ms = self._recheck
+            self._recheck = None
+            if trial_ms < measured * (1.0 - self.margin):
+                # The split before now measures slower than the trial did: the conditions
+                # changed, and the trial is the better split under them.
+                self._next_hold = HOLD_STEPS
+                return self._adopt(trial, rows, rates)
+            # The trial really was no faster: keep this split, and wait longer each time.
+            self._hold, self._next_hold = self._next_hold, min(2 * self._next_hold, MAX_HOLD_STEPS)
+            self._hold_ms = measured
         if self._hold > 0:
-            self._hold -= 1
-            return BalancePlan(self.weights, False, current, even)
+            if abs(measured - self._hold_ms) <= LOAD_CHANGE * self._hold_ms:
+                self._hold -= 1
+                return self._start_probe(rows) or self._plan(rows, False, rates)
+            self._hold, self._next_hold = 0, HOLD_STEPS  # the load changed since the hold began
+        current = self.predict_ms(rows, self.weights, rates)
         candidate = self._ideal_weights(rates)
-        predicted = self.predict_ms(rows, candidate, rates)
-        if predicted >= current * (1.0 - self.margin):
-            return BalancePlan(self.weights, False, current, even)
-        self._trial = (self.weights, self._measured_ms_per_row())
-        self.weights = candidate
+        if self.predict_ms(rows, candidate, rates) >= current * (1.0 - self.margin):
+            return self._start_probe(rows) or self._plan(rows, False, rates)
+        self._trial = (self.weights, measured)
+        return self._adopt(candidate, rows, rates)
+
+    def _adopt(self, weights: tuple[float, ...], rows: int, rates: Sequence[float]) -> BalancePlan:
+        self.weights = weights
         self.changes += 1
         # What was measured under the old split says little about the new one's fixed costs.
         self._history.clear()
-        return BalancePlan(candidate, True, predicted, even)
+        return self._plan(rows, True, rates)
+
+    def _start_probe(self, rows: int) -> BalancePlan | None:
+        """Give the device longest without rows a share of about one row for the next step, if
+        it has waited PROBE_AFTER steps and no trial is being judged; None otherwise."""
+        idle = max(range(self.device_count), key=lambda i: (self._idle[i], -i))
+        if self._idle[idle] < self._probe_after or self._trial or self._recheck or rows < 1:
+            return None
+        others = sum(w for i, w in enumerate(self.weights) if i != idle)
+        probe = list(self.weights)
+        probe[idle] = others / max(rows - 1, 1)  # its share of `rows` is one row
+        self._probe, self.weights = self.weights, normalized(probe)
+        self._idle[idle] = 0  # one probe per PROBE_AFTER steps, whatever it gets
+        return self._plan(rows, True)
+
+    def _plan(self, rows: int, changed: bool, rates: Sequence[float] | None = None) -> BalancePlan:
+        rates = self.per_row_ms() if rates is None else rates
+        if rates is None:
+            return BalancePlan(self.weights, changed, None, None)
+        even_rows = even_sizes(rows, self.device_count) + [0] * self.device_count
+        even = _slowest(even_rows, rates)
+        # Under the even split itself the prediction is what was measured; elsewhere it stands
+        # on the per-row model.
+        at_even = balanced_sizes(rows, self.weights, self.min_rows) == even_rows[:self.device_count]
+        return BalancePlan(self.weights, changed, self.predict_ms(rows, self.weights, rates), even,
+                           not at_even and self._fits_badly(rates))
+
+    def _has_rows(self, device: int) -> bool:
+        return any(sizes[device] > 0 for sizes, _ in self._history)
+
+    def _fits_badly(self, rates: Sequence[float]) -> bool:
+        """Whether the per-row model, with these rates, misses some device's recent measurements
+        (at every row count it ran lately, across splits) by more than UNSURE_FIT, as RMS.
+
+        It says a device's time is its rate times its rows. Where time does not follow rows
+        (fixed costs) or the load changed, it misses at the row counts the device ran before,
+        and a prediction for other row counts, such as the even split's, is a guess.
+        """
+        limit = UNSURE_FIT * UNSURE_FIT
+        for rate, samples in zip(rates, self._samples):
+            misses = [((rate * n - t) / t) ** 2 for n, t in samples if t > 0]
+            if misses and sum(misses) / len(misses) > limit:
+                return True
+        return False
 
     def per_row_ms(self) -> tuple[float, ...] | None:
         """Each device's smoothed time per row; None until every device has run some rows.
@@ -195,8 +295,9 @@ class Balancer:
         return tuple(self._rates)
 
     def _measured_ms_per_row(self) -> float:
-        """The slowest replica's time per row of the batch, as measured over the window."""
-        return sum(max(t) / max(sum(n), 1) for n, t in self._history) / len(self._history)
+        """The slowest replica's time per row of the batch, over the window: the median step's, so
+        that one step slowed by something else (a busy machine's late wake-up) does not decide."""
+        return statistics.median(max(t) / max(sum(n), 1) for n, t in self._history)
 
     def predict_ms(self, rows: int, weights: Sequence[float], rates: Sequence[float]) -> float:
         """The slowest replica's predicted time for a batch of `rows` cut by `weights`."""

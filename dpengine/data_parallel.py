@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -89,6 +91,17 @@ class DataParallel(nn.Module):
             if len(self.devices) == 1 and self.src_device_obj.type == "cuda":
                 self.module.to(self.src_device_obj)
         self.recording = record
+        self._split_kind = _balance_kind(balance)  # even, weights or auto: what set_devices keeps
+        self._balancer = _make_balancer(len(self.devices), self._split_kind)
+        self._start_runtime()
+
+    def _start_runtime(self) -> None:
+        """The per-process state of a DataParallel (_RUNTIME): fresh, for a new one or a copy.
+
+        Threads, locks, the step in flight and caches of the module's structure belong to this
+        object in this process: a copy or an unpickled one makes its own, its workers when it
+        first runs, and numbers its steps from 1.
+        """
         self._pool: WorkerPool | None = None
         self._step = 0
         self._subscribers: list[StepCallback] = []
@@ -98,8 +111,64 @@ class DataParallel(nn.Module):
         self._saved_bytes = SavedBytesCache()
         self._plan: ReplicationPlan | None = None
         self._forward_state: _ForwardState | None = None  # the forward in progress, for the four step methods
-        self._split_kind = _balance_kind(balance)  # even, weights or auto: what set_devices keeps
-        self._balancer = _make_balancer(len(self.devices), self._split_kind)
+
+    # -- copy and pickle: the module's state, never the runtime -------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        for name in _RUNTIME:
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        if "devices" not in state:
+            _adopt_torch_state(self, state)
+        self._start_runtime()
+
+    def __copy__(self) -> DataParallel:
+        clone = type(self).__new__(type(self))
+        clone.__setstate__(self.__getstate__())
+        return clone
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> DataParallel:
+        # Defined here, not left to __reduce_ex__: a subclass may pickle as another class
+        # (under `dptui run`, as torch's), but its copy stays what it is.
+        clone = type(self).__new__(type(self))
+        memo[id(self)] = clone
+        clone.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        return clone
+
+    def torch_state(self) -> dict[str, Any]:
+        """This object's state as torch.nn.DataParallel's, for a pickle that loads without dpengine.
+
+        The module's state and torch's four attributes as torch's constructor sets them on this
+        machine (virtual CPU devices read as no devices: torch runs the module itself there), and
+        dpengine's own settings as plain data under `_dpengine`, from which __setstate__ rebuilds
+        them when dpengine loads it.
+        """
+        state = self.__getstate__()
+        for name in _ENGINE_CONFIG:
+            state.pop(name, None)
+        cuda = bool(self.devices) and self.devices[0].type == "cuda"
+        state["device_ids"] = [d.index for d in self.devices] if cuda else []
+        if cuda:
+            out = self.output_device
+            state["output_device"] = out.index if out.type == "cuda" else -1
+            state["src_device_obj"] = self.devices[0]
+        else:
+            for name in ("output_device", "src_device_obj"):
+                state.pop(name, None)
+        split, auto = self._split, self._split_kind == "auto"
+        state["_dpengine"] = {
+            "devices": [device_name(d) for d in self.devices],
+            "output_device": None if self.output_device is None else str(self.output_device),
+            "balance": self._split_kind,
+            "chunk_sizes": None if auto or split is None or split.chunk_sizes is None else list(split.chunk_sizes),
+            "weights": None if auto or split is None or split.weights is None else list(split.weights),
+            "record": self.recording,
+        }
+        return state
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -181,6 +250,8 @@ class DataParallel(nn.Module):
     # -- the forward: torch's four steps, each a method a subclass may override ----------
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return _forward_uncompiled(self, *inputs, **kwargs)
         if not self.devices:
             return self.module(*inputs, **kwargs)
         self._flush_pending()
@@ -524,7 +595,7 @@ class DataParallel(nn.Module):
             return record
         if plan.changed:
             self._split = BalancedSplit(plan.weights, balancer.min_rows)
-        return dataclasses.replace(record, even_ms=plan.even_ms)
+        return dataclasses.replace(record, even_ms=plan.even_ms, even_ms_unsure=plan.even_unsure)
 
     def extra_repr(self) -> str:
         return f"devices={[device_name(d) for d in self.devices]}, dim={self.dim}"
@@ -610,6 +681,57 @@ def _rows(args: Any, kwargs: dict[str, Any], dim: int) -> int:
     """Rows of a replica's first input along dim (0 without one)."""
     tensors = tensors_of((args, kwargs))
     return tensors[0].size(dim) if tensors and tensors[0].dim() > dim else 0
+
+
+# Per-process runtime (see DataParallel._start_runtime): never pickled or copied.
+_RUNTIME = ("_pool", "_step", "_subscribers", "_record_lock", "_pending", "_last_step", "_saved_bytes",
+            "_plan", "_forward_state")
+# dpengine's settings beyond torch's attributes (module, dim, device_ids, output_device, src_device_obj).
+_ENGINE_CONFIG = ("devices", "_split", "_split_kind", "_balancer", "recording")
+
+
+def _adopt_torch_state(dp: DataParallel, state: dict[str, Any]) -> None:
+    """dpengine's settings for a DataParallel unpickled from torch's form (DataParallel.torch_state,
+    or torch's own DataParallel pickled without dpengine): from `_dpengine` if there, else from
+    torch's attributes, as the constructor would set them."""
+    saved = state.get("_dpengine")
+    if saved is not None:
+        del dp.__dict__["_dpengine"]
+        devices = resolve_devices(saved["devices"]) if saved["devices"] else []
+        output, balance = saved["output_device"], saved["balance"]
+        chunk_sizes, weights, record = saved["chunk_sizes"], saved["weights"], saved["record"]
+    else:
+        devices = resolve_devices(state["device_ids"]) if state.get("device_ids") else []
+        output = state.get("output_device")
+        balance, chunk_sizes, weights, record = "even", None, None, True
+    _set(dp, "dim", state.get("dim", 0))
+    _set(dp, "devices", devices)
+    _set(dp, "device_ids", [d.index if d.type == "cuda" else d for d in devices])
+    _set(dp, "src_device_obj", devices[0] if devices else None)
+    _set(dp, "output_device", (
+        None if not devices else devices[0] if output is None else parse_output_device(output)))
+    _set(dp, "_split", _make_split(len(devices), chunk_sizes, balance, weights) if devices else None)
+    _set(dp, "_split_kind", _balance_kind(balance))
+    _set(dp, "_balancer", _make_balancer(len(devices), dp._split_kind))
+    _set(dp, "recording", record)
+
+
+def _forward_eagerly(dp: DataParallel, *inputs: Any, **kwargs: Any) -> Any:
+    global _said_uncompiled
+    if not _said_uncompiled:
+        _said_uncompiled = True
+        warnings.warn(
+            "torch.compile runs dpengine's DataParallel uncompiled: its replicas run in worker "
+            "threads, which dynamo does not trace (nor in torch's DataParallel). To compile the "
+            "model, compile it inside: DataParallel(torch.compile(model))", stacklevel=1)
+    return dp.forward(*inputs, **kwargs)
+
+
+_said_uncompiled = False
+# torch.compile(dp) (or a compiled model holding one) reaches forward while dynamo traces: the
+# engine (threads, locks, clocks) is run as a graph break, eagerly. torch's lazy form of
+# torch._dynamo.disable: importing dynamo costs seconds, and only a compile needs it.
+_forward_uncompiled = torch._disable_dynamo(_forward_eagerly)
 
 
 def _run_in_worker(bind: Callable[[], Any] | None, nodes: list[Any] | None, index: int,

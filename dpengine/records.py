@@ -47,8 +47,10 @@ class StepRecord:
     split: str = "even"  # how the batch was cut: even, sizes, weights or auto
     split_weights: tuple[float, ...] = ()  # per device slot, summing to 1 (weights, auto)
     balanced: bool = False  # the auto-balancer chose this split
-    # Auto-balance only: the slowest replica's predicted time under torch's even split.
+    # Auto-balance only: the slowest replica's predicted time under torch's even split, and
+    # whether that is a guess (the per-row model fits the measurements badly).
     even_ms: float | None = None
+    even_ms_unsure: bool = False
 
     @property
     def chunk_sizes(self) -> tuple[int, ...]:

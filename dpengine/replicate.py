@@ -16,12 +16,14 @@ buffer.
 from __future__ import annotations
 
 import itertools
+import sys
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 from torch.nn.modules.module import (
     register_module_buffer_registration_hook,
     register_module_module_registration_hook,
@@ -57,8 +59,46 @@ def replicate(network: nn.Module, devices: Sequence[DeviceLike], detach: bool = 
         return []
     parsed = [parse_device(d) for d in devices]
     if parsed[0].type == "cuda":
-        return _cuda_replicate(network, [d.index for d in parsed], detach=detach)
+        return replicate_cuda(network, [d.index for d in parsed], detach=detach)
     return replicate_shared(network, len(parsed), detach=detach)
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """Whether module is torch.compile's wrapper (OptimizedModule); without importing dynamo."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
+
+
+def compiled_replica(wrapper: nn.Module, inner: nn.Module) -> nn.Module:
+    """A replica of a torch.compile'd module whose forward compiles `inner`, a replica of what it wraps.
+
+    Not OptimizedModule._replicate_for_data_parallel: its __setattr__ passes `_parameters` and
+    `_modules` on to the wrapped module, so torch's replicate empties the user's model and makes
+    it its own child (endless recursion in every replica, under torch's DataParallel too).
+    """
+    state = wrapper.__dict__.copy()
+    state["_modules"] = {**wrapper._modules, "_orig_mod": inner}
+    state["_parameters"] = {}
+    state["_buffers"] = wrapper._buffers.copy()
+    state["_is_replica"] = True
+    replica = wrapper.__new__(type(wrapper))
+    object.__setattr__(replica, "__dict__", state)
+    replica._initialize()
+    return replica
+
+
+def replicate_cuda(network: nn.Module, device_ids: list[int], detach: bool = False) -> list[nn.Module]:
+    """torch's replicate, and for a torch.compile'd network compiled replicas of what it wraps."""
+    if not is_compiled(network):
+        if any(is_compiled(m) for m in network.modules()):
+            raise ValueError(
+                "a torch.compile'd submodule cannot be replicated on CUDA (torch's replicate would "
+                "rewrite it): compile the whole model, DataParallel(torch.compile(model)), or compile "
+                "the submodules' forward functions instead"
+            )
+        return _cuda_replicate(network, device_ids, detach=detach)
+    inner = _cuda_replicate(network._orig_mod, device_ids, detach=detach)
+    return [compiled_replica(network, r) for r in inner]
 
 
 class SharedParameters(torch.autograd.Function):
@@ -130,8 +170,11 @@ class ReplicationPlan:
         self.modules = list(module.modules())
         position = {id(m): i for i, m in enumerate(self.modules)}
         self.params = list(module.parameters())
+        # A lazy module not yet run: replicating it raises torch's own error (see replicate_shared).
+        self.uninitialized = next((m for m in self.modules if any(
+            is_lazy(t) for t in itertools.chain(m._parameters.values(), m._buffers.values()))), None)
         # Whether any gradient is big enough for where it is made and summed to matter (see _bind).
-        self.has_big = any(p.numel() >= MIN_SUMMED_ELEMENTS for p in self.params)
+        self.has_big = any(not is_lazy(p) and p.numel() >= MIN_SUMMED_ELEMENTS for p in self.params)
         index = {id(p): i for i, p in enumerate(self.params)}
         # per module: (attribute, index into params, None for a None entry)
         self.assignments = [
@@ -143,10 +186,13 @@ class ReplicationPlan:
             for m in self.modules
         ]
         self.sizes = [(len(m._parameters), len(m._buffers), len(m._modules)) for m in self.modules]
+        # torch.compile'd modules: copied plainly (their own _replicate_for_data_parallel would
+        # write into the module they wrap, see compiled_replica), their forward bound afresh.
+        self.compiled = [i for i, m in enumerate(self.modules) if is_compiled(m)]
         self.general = [
-            type(m).__setattr__ is not _MODULE_SETATTR
-            or type(m)._replicate_for_data_parallel is not _MODULE_REPLICATE
-            for m in self.modules
+            (type(m).__setattr__ is not _MODULE_SETATTR
+             or type(m)._replicate_for_data_parallel is not _MODULE_REPLICATE) and i not in self.compiled
+            for i, m in enumerate(self.modules)
         ]
 
     def current(self) -> bool:
@@ -194,6 +240,8 @@ def replicate_shared(
     """
     if plan is None or not plan.current():
         plan = ReplicationPlan(module)
+    if plan.uninitialized is not None:
+        plan.uninitialized._replicate_for_data_parallel()  # "Modules with uninitialized parameters..."
     params = plan.params
     differentiable = not detach and torch.is_grad_enabled()
     trainable = [i for i, p in enumerate(params) if p.requires_grad] if differentiable else []
@@ -211,6 +259,8 @@ def replicate_shared(
             modules = copy._modules
             for name, i in children:
                 modules[name] = None if i is None else copies[i]
+        for i in plan.compiled:
+            copies[i]._initialize()  # its forward: the compiled call of its own replica inside
         replicas.append(copies[0])
         if not trainable:
             if binders is not None:

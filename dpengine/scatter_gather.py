@@ -6,8 +6,9 @@ Differences from torch, on purpose:
 - tensors that would split into different numbers of chunks raise instead of
   being zipped to the shortest (torch silently drops rows there);
 - explicit or weighted chunk sizes, besides torch's even `tensor.chunk` rule.
-On virtual CPU devices `split` and `cat` are the differentiable scatter and gather;
-on CUDA torch's own `Scatter`/`Gather` autograd functions do the copies.
+On virtual CPU devices `split` and `cat` are the differentiable scatter and gather (a chunk
+copied where torch's copy would change its layout); on CUDA torch's own `Scatter`/`Gather`
+autograd functions do the copies.
 """
 
 from __future__ import annotations
@@ -132,7 +133,29 @@ def _split_tensor(
     if devices[0].type == "cuda":
         targets = [devices[slot].index for slot, _ in plan]
         return _CudaScatter.apply(targets, sizes, dim, tensor)
-    return tensor.split(sizes, dim)
+    chunks = tensor.split(sizes, dim)
+    # torch's scatter copies a chunk to each device other than the batch's (`.to(device)`,
+    # preserve_format: a dense layout is kept, any other made contiguous): only device 0's
+    # chunk can be a strided view there (so `.view(-1)` of a dim-1 chunk works on the others).
+    # The batch is on device 0 here; dense chunks (dim 0's) already have the copy's layout.
+    return tuple([
+        chunk if slot == 0 or chunk.is_contiguous() or _dense(chunk)
+        else chunk.clone(memory_format=torch.preserve_format)  # what .to() makes of it
+        for (slot, _), chunk in zip(plan, chunks)
+    ])
+
+
+def _dense(tensor: torch.Tensor) -> bool:
+    """Whether its elements fill its span without gaps or overlap (torch's non-overlapping-and-dense)."""
+    if tensor.is_contiguous(memory_format=torch.channels_last):
+        return True
+    expected = 1
+    for size, stride in sorted(zip(tensor.shape, tensor.stride()), key=lambda pair: pair[1]):
+        if size != 1:
+            if stride != expected:
+                return False
+            expected *= size
+    return True
 
 
 def _build(obj: Any, chunks: Iterator, count: int) -> list:

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from dpengine import DataParallel
-from dpengine.balance import BalancedSplit, Balancer, balanced_sizes, describe_split, parse_balance
+from dpengine.balance import (
+    PROBE_AFTER, BalancedSplit, Balancer, balanced_sizes, describe_split, parse_balance,
+)
 
 from fixtures.slow_device import SlowOnDevice
 
@@ -134,6 +136,72 @@ def test_a_split_that_measures_no_faster_is_undone_and_not_retried_at_once():
     assert changes <= 400 // 50
 
 
+def simulate_load(balancer: Balancer, rates_at, steps: int, rows: int = 60, noise: float = 0.05, seed: int = 0):
+    """As simulate, with each step's rates given by `rates_at(step)`; each step's slowest replica, ms."""
+    rng = random.Random(seed)
+    slowest = []
+    for step in range(steps):
+        sizes = balanced_sizes(rows, balancer.weights, balancer.min_rows)
+        rates = rates_at(step)
+        balancer.observe(sizes, [n * r * (1 + rng.uniform(-noise, noise)) for n, r in zip(sizes, rates)])
+        slowest.append(max(n * r for n, r in zip(sizes, rates)))
+    return slowest
+
+
+def test_when_the_load_moves_to_another_device_the_split_follows_within_steps():
+    """Load on cpu:1, then on cpu:0: a trial is judged on fresh measurements, not the old load's."""
+    balancer = Balancer(3)
+    slowest = simulate_load(balancer, lambda step: [1.0, 3.0, 1.0] if step < 60 else [3.0, 1.0, 1.0], 400)
+    best = best_offline(60, [3.0, 1.0, 1.0])
+    late = [t for t in slowest[60:] if t > 1.1 * best]
+    assert len(late) <= 20  # the old balancer undid the right split and held the wrong one 50 steps
+    assert slowest[-1] <= 1.1 * best and balanced_sizes(60, balancer.weights)[0] <= 10
+
+
+def test_a_hold_ends_when_the_load_changes():
+    """The tiny model's hold is for the conditions it was decided under."""
+    balancer = Balancer(3)
+    fixed_ms = [0.5, 1.0, 1.0]
+    for _ in range(200):  # trials undone, each hold longer: one of 100 steps or more is running
+        balancer.observe(balanced_sizes(60, balancer.weights), fixed_ms)
+    assert balancer._hold >= 100
+    slowest = simulate_load(balancer, lambda step: [1.0, 1.0, 4.0], 20)  # now rows cost, cpu:2 the most
+    assert slowest[-1] <= 1.1 * best_offline(60, [1.0, 1.0, 4.0])
+
+
+def test_a_device_left_without_rows_gets_a_probe_share_and_is_measured_again():
+    """A stall made cpu:1 and cpu:2 look slow, then batches of 2 on 3 devices gave them no rows."""
+    balancer = Balancer(3, warmup=0, min_steps=1)
+    balancer.observe([10, 10, 10], [10.0, 1000.0, 1000.0])
+    seen = []
+    for _ in range(200):
+        sizes = balanced_sizes(2, balancer.weights, balancer.min_rows)
+        balancer.observe(sizes, [float(n) for n in sizes])  # every device as fast as the others now
+        seen.append(tuple(sizes))
+    assert all(any(sizes[i] for sizes in seen) for i in range(3))  # each was measured again
+    assert seen.count((2, 0, 0)) <= PROBE_AFTER + 1 and seen[-1] != (2, 0, 0)
+    assert balancer.per_row_ms()[1] == pytest.approx(1.0)  # the stall's 100 ms per row is gone
+
+
+def test_the_even_prediction_is_unsure_when_time_does_not_follow_rows():
+    """A tiny model, all fixed costs: away from the even split, its predicted time is a guess."""
+    rng = random.Random(0)
+    cases = {"fixed": lambda n, slot: 1.0 + 0.5 * (slot == 0),
+             "per row": lambda n, slot: n * (1.0 + (slot == 2)) * rng.uniform(0.95, 1.05)}
+    unsure = {}
+    for name, time_of in cases.items():
+        balancer = Balancer(3)
+        plans = []
+        for _ in range(60):
+            sizes = balanced_sizes(60, balancer.weights)
+            plan = balancer.observe(sizes, [time_of(n, i) for i, n in enumerate(sizes)])
+            plans.append((sizes, plan))
+        assert balancer.changes >= 1, name
+        unsure[name] = {(sizes == [20, 20, 20], plan.even_unsure) for sizes, plan in plans if plan}
+    assert (False, True) in unsure["fixed"] and (True, True) not in unsure["fixed"]
+    assert unsure["per row"] <= {(True, False), (False, False)}
+
+
 def test_same_observations_same_decisions():
     """What DDP relies on: every rank's copy decides alike."""
     first, second = Balancer(3), Balancer(3)
@@ -235,6 +303,27 @@ def test_data_parallel_recovers_when_the_slow_device_becomes_fast():
         dp(x).sum().backward()
     # Back to about a third each (generous: a loaded machine adds noise to every sleep).
     assert dp.last_step.chunk_sizes[2] >= 8
+    dp.close()
+
+
+def test_data_parallel_follows_the_load_from_one_device_to_another():
+    """The hostile run's case: load moves from cpu:1 to cpu:0 mid-run."""
+    torch.manual_seed(0)
+    ms_per_row = {"cpu:1": 1.5}
+    dp = DataParallel(SlowOnDevice(ms_per_row, base_ms_per_row=0.3), DEVICES, balance="auto")
+    x = torch.randn(30, 5)
+    for _ in range(12):
+        dp(x).sum().backward()
+    assert dp.last_step.chunk_sizes[1] <= 6
+    ms_per_row.clear()
+    ms_per_row["cpu:0"] = 1.5
+    sizes = []
+    for _ in range(25):
+        dp(x).sum().backward()
+        sizes.append(dp.last_step.chunk_sizes)
+    # cpu:0 sheds its rows (generous bounds: a loaded machine adds noise to every sleep)
+    assert sizes[-1][0] <= 6 and sizes[-1][1] >= 8, sizes
+    assert dp.last_step.even_ms is not None and isinstance(dp.last_step.even_ms_unsure, bool)
     dp.close()
 
 

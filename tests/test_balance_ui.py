@@ -38,6 +38,19 @@ def test_split_changes_show_in_the_view_the_panels_and_the_status_bar():
     assert any("split auto" in line.text for line in view.take_log())
 
 
+def test_an_unsure_even_split_prediction_shows_a_question_mark():
+    view = RunView(lambda: 0.0)
+    view.feed(demo_events(DEVICES, epochs=0)[0])
+    step = step_event(6, 1, 6, 10, 60, DEVICES)
+    sure = dataclasses.replace(step.record, even_ms=16.0, balanced=True, split="auto")
+    view.feed(dataclasses.replace(step, record=sure))
+    assert "(even ~16.0)" in status_text(view.snapshot(), 200).plain
+    unsure = dataclasses.replace(sure, even_ms_unsure=True)
+    view.feed(dataclasses.replace(step, record=unsure))
+    snap = view.snapshot()
+    assert snap.even_ms_unsure and "(even ~16.0?)" in status_text(snap, 200).plain
+
+
 def test_panel_without_balancer_shows_the_share_and_no_marker():
     view = DeviceView(0, "cpu:0", "virtual", True, chunk=15, step_batch=30)
     assert body_lines(view, 40)[0].plain.startswith("chunk 15/30 50% ━")
@@ -55,6 +68,19 @@ def test_session_toggles_auto_balance_and_shows_it_pending():
     assert trainer.calls == [("set_balance", "auto"), ("set_balance", "even")]
     view.feed(SplitChanged(2, "even"))
     assert view.snapshot().pending == ""
+
+
+def test_new_weights_typed_while_weights_are_in_force_show_as_pending():
+    view = RunView(lambda: 0.0)
+    view.feed(demo_events(DEVICES, epochs=0)[0])
+    trainer = ScriptedTrainer([])
+    session = Session(view)
+    session.attach(trainer)
+    view.feed(SplitChanged(1, "weights", (0.5, 0.25, 0.25)))  # weights already in force
+    assert view.snapshot().pending == ""
+    assert session.set_weights((1.0, 2.0, 1.0)) is None
+    assert trainer.calls == [("set_balance", (1.0, 2.0, 1.0))]
+    assert view.snapshot().pending == "split weights"
 
 
 async def test_a_toggles_and_w_types_weights():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
@@ -91,3 +92,47 @@ def test_pending_changes_keep_the_newest_until_applied() -> None:
     taken = pending.take()
     assert (taken.batch_size, taken.devices, taken.seq) == (90, None, 3) and not pending
     assert pending.ask(batch_size=5, seq=9).seq == 9 and pending.ask(batch_size=6).seq == 10
+
+
+def test_a_save_reaches_the_disk_before_the_rename_and_the_rename_after(tmp_path: Path, monkeypatch) -> None:
+    """fsync of the file, then the rename, then fsync of its folder: a power loss leaves old or new."""
+    order: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(descriptor: int) -> None:
+        order.append(f"fsync {os.readlink(f'/proc/self/fd/{descriptor}')}")
+        real_fsync(descriptor)
+
+    def replace(source, target) -> None:
+        order.append(f"rename {Path(source).name} -> {Path(target).name}")
+        real_replace(source, target)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    path = tmp_path / "run.pt"
+    save_checkpoint({"weights": torch.ones(3)}, path)
+    assert order == [f"fsync {tmp_path / 'run.pt.partial'}", "rename run.pt.partial -> run.pt", f"fsync {tmp_path}"]
+    torch.testing.assert_close(torch.load(path)["weights"], torch.ones(3))
+
+
+def test_a_failed_save_keeps_the_old_checkpoint_and_leaves_no_partial(tmp_path: Path) -> None:
+    path = tmp_path / "run.pt"
+    save_checkpoint({"weights": torch.ones(3)}, path)
+    (tmp_path / "run.pt.partial").write_bytes(b"left by a save that was killed")
+    with pytest.raises(Exception, match="pickle"):
+        save_checkpoint({"weights": torch.zeros(3), "unpicklable": lambda: None}, path)
+    assert not (tmp_path / "run.pt.partial").exists()
+    torch.testing.assert_close(torch.load(path)["weights"], torch.ones(3))  # the old one, whole
+    save_checkpoint({"weights": torch.zeros(3)}, path)  # and the next save replaces it
+    torch.testing.assert_close(torch.load(path)["weights"], torch.zeros(3))
+
+
+def test_checkpoint_every_0_is_the_one_line_usage_error(tmp_path: Path, capsys) -> None:
+    """Not the engine's own check stopping the run with a traceback later."""
+    code = main(["--headless", "--no-telemetry", "--devices", "cpu:0", "--epochs", "1",
+                 "--checkpoint", str(tmp_path / "run.pt"), "--checkpoint-every", "0"])
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dptui: error: ") and "--checkpoint-every" in lines[0]
+    assert not (tmp_path / "run.pt").exists()

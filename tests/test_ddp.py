@@ -24,7 +24,7 @@ from fixtures.ddp_workloads import SLOW_STEP_S
 from dpengine.distributed import DdpTrainer, WorkloadSpec
 from dpengine.distributed.channel import is_comm_error
 from dpengine.distributed.host_inbox import LIVENESS_S
-from dpengine.distributed.torchrun import torchrun_env
+from dpengine.distributed.torchrun import rank_device_kind, torchrun_env
 from dpengine.eventlog.events import (
     ConfigChanged,
     RunFailed,
@@ -332,12 +332,19 @@ def test_torchrun_env_is_read_only_from_a_complete_environment(monkeypatch):
 # -- torchrun ---------------------------------------------------------------------------------------
 
 
+# The CPU case on any machine: ranks on a GPU machine would take cuda:LOCAL_RANK (see the cuda tests).
+CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
+
+
+def _torchrun_env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **extra}
+
+
 def test_under_torchrun_rank_0_runs_the_host_and_others_follow(tmp_path):
     out = tmp_path / "events.jsonl"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                 "--max-restarts=0", str(FIXTURES / "ddp_torchrun_main.py"), str(out)]
-    done = subprocess.run(torchrun, capture_output=True, text=True, timeout=90,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    done = subprocess.run(torchrun, capture_output=True, text=True, timeout=90, env=_torchrun_env(**CPU_ONLY))
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     finished = [line for line in lines if line["type"] == "run_finished"]
@@ -356,12 +363,60 @@ def test_the_readmes_torchrun_command_runs_dptui_on_rank_0():
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                 "--max-restarts=0", "-m", "tui.torchrun", "--headless", "--seed", "5", "--every", "0",
                 "--no-telemetry"]
-    done = subprocess.run(torchrun, capture_output=True, text=True, timeout=90,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    done = subprocess.run(torchrun, capture_output=True, text=True, timeout=90, env=_torchrun_env(**CPU_ONLY))
     assert done.returncode == 0, done.stderr[-3000:]
     expected = Trainer(load_workload("seed", seed=5), ["cpu:0", "cpu:1"],
                        RunOptions(seed=5, epochs=1, telemetry_interval=None)).run()
     assert f"final loss {expected.final_loss:.6f}" in done.stdout.splitlines()[-1]
+
+
+def _pretend_gpus(monkeypatch, count: int, local_world: int = 2) -> None:
+    """torch seeing `count` GPUs and torchrun starting `local_world` ranks on this machine."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    for key, value in {"RANK": "0", "WORLD_SIZE": str(local_world), "LOCAL_RANK": "0",
+                       "LOCAL_WORLD_SIZE": str(local_world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("DPTUI_DDP_FD", raising=False)
+
+
+def test_torchrun_with_fewer_gpus_than_ranks_is_refused_or_runs_on_the_cpu_when_asked(monkeypatch):
+    _pretend_gpus(monkeypatch, count=1, local_world=2)
+    env = torchrun_env()
+    with pytest.raises(ValueError) as refused:
+        rank_device_kind(env, ["cuda:0"])
+    assert str(refused.value) == (
+        "torchrun starts 2 ranks on this machine, which has 1 GPU: give --nproc-per-node=1 or fewer, "
+        "or --devices cpu for ranks on the CPU (gloo)"
+    )
+    assert rank_device_kind(env, ["cpu:0"]) == "cpu"  # asked for: gloo on the CPU
+    _pretend_gpus(monkeypatch, count=2, local_world=2)
+    assert rank_device_kind(torchrun_env(), ["cuda:0", "cuda:1"]) == "cuda"
+    _pretend_gpus(monkeypatch, count=0, local_world=2)
+    assert rank_device_kind(torchrun_env(), None) == "cpu"
+
+
+def test_dptui_under_torchrun_with_too_few_gpus_says_so_in_one_line(monkeypatch, capsys):
+    from tui.cli import main
+
+    _pretend_gpus(monkeypatch, count=1, local_world=2)
+    assert main(["--backend", "ddp", "--headless", "--no-telemetry"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "torchrun starts 2 ranks on this machine, which has 1 GPU" in err
+
+
+def test_a_rank_on_a_machine_without_its_gpu_names_the_limit(monkeypatch):
+    """A machine other than rank 0's, with fewer GPUs than torchrun starts ranks on it."""
+    from types import SimpleNamespace
+
+    from dpengine.distributed.rank_loop import _own_device
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    config = SimpleNamespace(backend="nccl", devices=("cuda:0", "cuda:1", "cuda:2", "cuda:3"), torchrun=True)
+    assert _own_device(config, 2, 0) == torch.device("cuda", 0)
+    with pytest.raises(RuntimeError, match=r"local rank 1 needs cuda:1, but its machine has 1 GPU: give "
+                                           r"torchrun --nproc-per-node=1 or fewer there"):
+        _own_device(config, 3, 1)
 
 
 def test_tui_torchrun_outside_torchrun_says_how_to_start_it():
@@ -373,6 +428,23 @@ def test_tui_torchrun_outside_torchrun_says_how_to_start_it():
 
 
 # -- CUDA -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_torchrun_with_more_ranks_than_gpus_is_refused_and_runs_on_the_cpu_when_asked():
+    ranks = torch.cuda.device_count() + 1
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+                "--max-restarts=0", "-m", "tui.torchrun", "--headless", "--seed", "5", "--every", "0",
+                "--no-telemetry"]
+    refused = subprocess.run(torchrun, capture_output=True, text=True, timeout=120, env=_torchrun_env())
+    assert refused.returncode != 0
+    assert f"torchrun starts {ranks} ranks on this machine, which has {ranks - 1} GPU" in refused.stderr
+    assert "invalid device ordinal" not in refused.stderr
+    on_cpu = subprocess.run([*torchrun, "--devices", "cpu"], capture_output=True, text=True, timeout=120,
+                            env=_torchrun_env())
+    assert on_cpu.returncode == 0, on_cpu.stderr[-3000:]
+    assert "final loss" in on_cpu.stdout.splitlines()[-1]
 
 
 @pytest.mark.cuda

@@ -88,6 +88,31 @@ def test_replica_records_describe_each_replica(make_dp, count: int) -> None:
     assert done.backward_ms >= max(r.backward_ms for r in done.replicas) * 0.999
 
 
+class _Sleepy(nn.Linear):
+    """Linear(5, 2) whose forward sleeps: a replica's forward takes at least that long."""
+
+    SECONDS = 0.005
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.SECONDS)
+        return super().forward(x)
+
+
+def test_forward_ms_is_measured_on_every_step_not_only_the_first(make_dp) -> None:
+    """Step 1 measures what replicas save for backward; later steps reuse it (SavedBytesCache):
+    the forward time is taken on both paths."""
+    dp = make_dp(_Sleepy(5, 2), cpus(2))
+    x = torch.randn(6, 5)
+    for step in (1, 2, 3):
+        dp(x).sum().backward()
+        record = dp.last_step
+        assert record.step == step
+        assert all(r.forward_ms >= _Sleepy.SECONDS * 1000 and r.forward_timed for r in record.replicas), record
+    with torch.no_grad():
+        dp(x)
+    assert all(r.forward_ms >= _Sleepy.SECONDS * 1000 for r in dp.last_step.replicas)
+
+
 class _SlowBackwardForRows(torch.autograd.Function):
     """Identity whose backward sleeps when its gradient has `rows` rows."""
 

@@ -114,6 +114,58 @@ def test_chunks_along_dim_1(make_dp) -> None:
     assert out.shape == (2, 3)  # gathered along dim 1: one column per replica
 
 
+def _shares_storage(chunk: torch.Tensor, batch: torch.Tensor) -> bool:
+    return chunk.untyped_storage().data_ptr() == batch.untyped_storage().data_ptr()
+
+
+def test_chunks_past_device_0_are_contiguous_as_torchs_copies_make_them() -> None:
+    """torch's scatter copies every chunk but device 0's (`.to(device)`): none of those is a strided view."""
+    x = torch.randn(5, 9, requires_grad=True)
+    args, _, slots = scatter_kwargs((x,), {}, devs(3), Split(3), dim=1)
+    chunks = [a[0] for a in args]
+    assert slots == [0, 1, 2]
+    assert _shares_storage(chunks[0], x) and not chunks[0].is_contiguous()  # device 0's: torch's view
+    for chunk, want in zip(chunks[1:], x.detach().chunk(3, 1)[1:]):
+        assert chunk.is_contiguous() and not _shares_storage(chunk, x)
+        assert torch.equal(chunk, want)
+    sum((i + 1) * c.sum() for i, c in enumerate(chunks)).backward()
+    torch.testing.assert_close(x.grad, torch.tensor([1.0] * 3 + [2.0] * 3 + [3.0] * 3).expand(5, 9))
+
+
+def test_dense_chunks_are_not_copied() -> None:
+    """Chunks along dim 0 already have the layout a copy would give them: no copy on the hot path."""
+    x = torch.randn(9, 4)
+    channels_last = torch.randn(6, 3, 4, 4).to(memory_format=torch.channels_last)
+    for batch in (x, channels_last):
+        args, _, _ = scatter_kwargs((batch,), {}, devs(3), Split(3))
+        assert all(_shares_storage(a[0], batch) for a in args)
+    assert all(a[0].is_contiguous(memory_format=torch.channels_last) for a in args)
+
+
+def test_a_module_viewing_its_dim_1_chunk_works_where_torch_copies_it(make_dp) -> None:
+    """Transformer-XL's `target.view(-1)` on a dim-1 chunk, BalancedDataParallel's gpu0_bsz=0 split."""
+
+    class ViewingLoss(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(1, 1)
+
+        def forward(self, target: torch.Tensor) -> torch.Tensor:
+            return self.proj(target.view(-1, 1).float()).view(target.size(0), -1)
+
+    module = ViewingLoss()
+    dp = make_dp(module, cpus(3), dim=1, chunk_sizes=[0, 7, 7])
+    target = torch.randn(4, 14)
+    out = dp(target)
+    torch.testing.assert_close(out, module(target.contiguous()))
+    out.sum().backward()
+    assert dp.last_step.chunk_sizes == (7, 7)
+    # device 0's chunk stays torch's view: the same module fails there, as on GPUs
+    even = make_dp(ViewingLoss(), cpus(3), dim=1)
+    with pytest.raises(RuntimeError, match=r"(?s)in replica 0 on device cpu:0.*view size is not compatible"):
+        even(target)
+
+
 # ----------------------------------------------------------------- structure
 
 

@@ -19,6 +19,9 @@ from ui_fakes import step_event
 from waiting import gone, wait_for
 
 from dpengine.eventlog.events import RunConfig, RunStarted
+from textual.widgets import SelectionList
+
+from tui.screens.devices import DevicesScreen
 from tui.script.app import ScriptApp, ScriptRunView
 from tui.script.events import ScriptOutput
 from tui.script.script_run import BATCH_OWNED, ScriptRun, ScriptTarget
@@ -72,8 +75,17 @@ async def test_run_mode_shows_replicas_and_output_and_steers_the_script():
         await press(app, "space")
         await until(lambda: app.session.view.step > step, what="steps again")
 
+        # The panels are the script's devices, not the four it could use; 3 and d add the others.
+        assert [p.view.device for p in app.query(DevicePanel)] == ["cpu:0", "cpu:1"]
         await press(app, "3")
         await until(lambda: active_chunks(app) == [4, 4, 4], what="cpu:2 joining from the next forward")
+        await press(app, "d")
+        await until(lambda: isinstance(app.screen, DevicesScreen), what="the device picker")
+        picker = app.screen.query_one(SelectionList)
+        assert [picker.get_option_at_index(i).value for i in range(picker.option_count)] == list(AVAILABLE)
+        assert picker.selected == ["cpu:0", "cpu:1", "cpu:2"]
+        await press(app, "escape")
+        await until(lambda: not isinstance(app.screen, DevicesScreen), what="the picker to close")
 
         await press(app, "plus")
         await until(lambda: BATCH_OWNED in status(app), what="the batch size refusal in the status bar")
@@ -97,6 +109,48 @@ async def test_a_script_without_dataparallel_says_so_and_its_exit_keeps_the_ui_o
         await press(app, "q")
         await until(lambda: not app.is_running, what="the app to exit")
     assert app.run_.exit_code == 0
+
+
+async def test_after_the_script_exits_the_panels_keep_its_last_step_and_say_they_are_not_live():
+    app = make_app("plain_loop.py", "3")
+    async with app.run_test(size=(120, 40)):
+        await until(lambda: "script exited 0 — q to quit" in status(app), what="the exit")
+        panels = list(app.query(DevicePanel))
+        await until(lambda: all(p.border_subtitle == "last step 3, not live" for p in panels),
+                    what="every panel saying it shows the last step")
+        assert [(p.view.device, p.chunk) for p in panels] == [("cpu:0", 5), ("cpu:1", 5)]  # step 3's split
+        assert all(p.has_class("-ended") for p in panels)
+        log = log_text(app)
+        assert "step 3: loss" in log  # the script's own lines, and no In Model / Outside of dptui's
+        assert "In Model" not in log and "Outside" not in log
+        # What dptui saw and did not: plain_loop.py builds a second DataParallel it never calls.
+        await until(lambda: "Tagged(Linear)@plain_loop.py:26 was built but never stepped" in log_text(app),
+                    what="the notice in the log")
+        await press(app, "q")
+        await until(lambda: not app.is_running, what="the app to exit")
+    assert app.run_.exit_code == 0
+
+
+async def test_escape_sequences_show_as_text_and_a_progress_bar_redraws_its_line_in_place(tmp_path):
+    app = make_app("progress_bar.py", "gated", str(tmp_path))
+    async with app.run_test(size=(120, 40)):
+        # Live: the script waits, its bar's line unended, until the test has seen this state.
+        await until(lambda: "bar 1/3 #" in log_text(app), what="the bar's first state")
+        line = next(strip for strip in app.log_view.lines if strip.text.startswith("title"))
+        assert line.text.rstrip() == "title^[]0;pwned^G clear^[[2J^[[H home red plain"
+        [red] = [segment for segment in line if segment.text == "red"]
+        assert red.style.color.number == 1  # SGR colours stay colours
+        assert not any(c in log_text(app) for c in "\x1b\x07")  # nothing left to drive the terminal
+
+        (tmp_path / "go1").touch()
+        await until(lambda: "bar 2/3 ##" in log_text(app), what="the bar's second state")
+        assert "bar 1/3" not in log_text(app)  # replaced, not appended
+        (tmp_path / "go2").touch()
+        await until(lambda: "after the bar" in log_text(app) and "bar 3/3" in log_text(app), what="the bar's end")
+        await until(lambda: "script exited 0" in status(app), what="the exit")
+        assert [s.text.rstrip() for s in app.log_view.lines if s.text.startswith("bar")] == ["bar 3/3 ###"]
+        await press(app, "q")
+        await until(lambda: not app.is_running, what="the app to exit")
 
 
 async def test_stderr_is_marked_in_the_log_and_the_status_is_the_scripts():
@@ -148,6 +202,31 @@ def test_the_ui_in_a_real_terminal_takes_the_script_along_when_dptui_is_signalle
         proc.send_signal(signum)
         assert proc.wait(30) == 130  # SIGINT to the script: its KeyboardInterrupt
         wait_for(lambda: all(gone(p.pid) for p in family), "every process of the script to be gone")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(master)
+
+
+def test_ctrl_c_after_q_in_a_real_terminal_hurries_the_stop_past_the_grace_periods():
+    master, slave = pty.openpty()
+    env = dict(os.environ, TERM="xterm-256color")
+    proc = subprocess.Popen([sys.executable, "-m", "tui.cli", "run", "--grace", "600", str(SCRIPTS / "endless.py"),
+                             "stubborn"], stdin=slave, stdout=slave, stderr=slave, env=env, start_new_session=True)
+    os.close(slave)
+    screen = bytearray()
+
+    def drain() -> None:
+        while chunk := _read(master):
+            screen.extend(chunk)
+
+    threading.Thread(target=drain, daemon=True).start()
+    try:
+        wait_for(lambda: b"step" in screen, "the script to get going", timeout=30)
+        os.write(master, b"q")  # SIGINT, which this script ignores: SIGTERM would come 600 s later
+        wait_for(lambda: b"waiting for the script to stop" in screen, "dptui to wait for it", timeout=30)
+        proc.send_signal(signal.SIGINT)  # the terminal is dptui's again: Ctrl-C is a signal
+        assert proc.wait(30) == 128 + signal.SIGTERM
     finally:
         if proc.poll() is None:
             proc.kill()

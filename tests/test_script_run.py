@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -63,12 +64,44 @@ def test_a_plain_loop_is_recorded_and_json_stdout_stays_pure():
     assert of_type(events, "script_exited") == [{"type": "script_exited", "code": 0, "signal": None}]
 
 
-def test_headless_passes_the_scripts_output_through_unchanged():
-    done = dptui("--headless", "--no-telemetry", script("plain_loop.py"), "2")
+def test_headless_passes_the_scripts_output_through_and_ends_with_the_summary_dptui_view_prints(tmp_path):
+    log = tmp_path / "run.jsonl"
+    done = dptui("--headless", "--no-telemetry", "--log", str(log), script("plain_loop.py"), "2")
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert [line.split(":")[0] for line in lines] == ["step 1", "step 2", "name=__main__ argv=['" + script("plain_loop.py") + "', '2']"]
-    assert done.stderr == "to stderr\n"
+    # stderr: the script's own, then dptui's: what it did not see, and the per-device summary.
+    theirs, notice, *summary = done.stderr.splitlines()
+    assert theirs == "to stderr"
+    assert notice.startswith("dptui: Tagged(Linear)@plain_loop.py:26 was built but never stepped")
+    view = subprocess.run([sys.executable, "-m", "tui.cli", "view", "--headless", str(log)],
+                          capture_output=True, text=True, timeout=60)
+    assert summary == view.stdout.splitlines()  # one table, whichever command prints it
+    assert summary[0] == "DataParallel(Linear)@plain_loop.py:22 · dptui run: 2 steps, finished, final loss –"
+    assert [row.split()[:3] for row in summary[2:]] == [["cpu:0", "2", "10"], ["cpu:1", "2", "10"]]
+
+
+def test_a_script_that_builds_no_dataparallel_says_so_on_stderr_in_json_and_in_the_log(tmp_path):
+    # PyTorch's DataParallel tutorial as published: it wraps only `if torch.cuda.device_count() > 1`.
+    log = tmp_path / "run.jsonl"
+    done = dptui("--headless", "--json", "--no-telemetry", "--log", str(log), script("real/tutorial.py"))
+    assert done.returncode == 0, done.stderr
+    events = json_events(done.stdout)
+    [notice] = of_type(events, "notice")
+    assert notice["text"].startswith("the script built no torch.nn.DataParallel, so dptui recorded nothing")
+    assert "false without a GPU (if torch.cuda.device_count() > 1, if input.is_cuda)" in notice["text"]
+    assert [e["type"] for e in events][-3:] == ["notice", "script_exited", "run_finished"]
+    assert notice in json_events(log.read_text())
+    assert done.stderr == f"dptui: {notice['text']}\n"  # one line, --json or not
+
+
+def test_distributed_data_parallel_in_the_scripts_own_process_is_said_to_be_unrecorded():
+    done = dptui("--headless", "--no-telemetry", script("ddp_in_process.py"))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "ddp step done\n"
+    assert done.stderr.splitlines() == [
+        "dptui: the script built torch.nn.parallel.DistributedDataParallel, which dptui records only in ranks "
+        "it launches itself (dptui run --nproc-per-node N): its steps were not recorded"]
 
 
 def test_the_module_form_runs_like_python_m():
@@ -77,6 +110,42 @@ def test_the_module_form_runs_like_python_m():
     assert done.stdout == (
         f"name=__main__ spec=dp_module argv0={SCRIPTS / 'dp_module.py'} args=['a', '--b'] path0={SCRIPTS}\n"
     )
+
+
+def test_a_progress_bar_comes_as_its_latest_state_at_most_4_times_a_second_in_json():
+    done = dptui("--headless", "--json", "--no-telemetry", script("progress_bar.py"), "tqdm", "300", "0.01")
+    assert done.returncode == 0, done.stderr
+    output = of_type(json_events(done.stdout), "output")
+    start, end = (float(o["line"].split()[-1]) for o in output if o["line"].startswith("bar "))
+    states = [o["line"] for o in output if o.get("cr")]
+    assert all(o["cr"] is True for o in output if "cr" in o)  # marked only where true
+    assert len(states) >= 2  # live, while the bar went on
+    assert len(states) <= 4 * (end - start) + 2  # however often tqdm redrew (300 times)
+    counts = [int(state.removeprefix("train: ").removesuffix("/300")) for state in states]
+    assert counts == sorted(counts) and counts[-1] < 300
+    assert {"type": "output", "stream": "stderr", "line": "train: 300/300"} in output  # its end, as a line
+
+
+def test_headless_passes_a_progress_bar_through_byte_for_byte():
+    args = [script("progress_bar.py"), "tqdm", "20"]
+    plain = subprocess.run([sys.executable, *args], capture_output=True, timeout=60)
+    under = subprocess.run([*DPTUI, "--headless", "--no-telemetry", *args], capture_output=True, timeout=120)
+    assert plain.returncode == under.returncode == 0
+    assert plain.stderr.count(b"\r") == 22 and b"\n" not in plain.stderr[:-1]
+    assert under.stderr.startswith(plain.stderr)  # then dptui's own line: no DataParallel in it
+    assert under.stderr[len(plain.stderr):].startswith(b"dptui: the script built no torch.nn.DataParallel")
+
+
+def test_a_packages_init_runs_once_in_the_script_and_a_missing_module_is_one_line():
+    done = dptui("--headless", "--no-telemetry", "-m", "side_effect_pkg.train", cwd=SCRIPTS)
+    assert done.returncode == 0, done.stderr
+    init, train = done.stdout.splitlines()  # dptui looked for it without running __init__
+    assert init.startswith("__init__ ran in pid ") and train == f"train ran in pid {init.split()[-1]}"
+
+    missing = dptui("--headless", "--no-telemetry", "-m", "side_effect_pkg.nope", cwd=SCRIPTS)
+    assert missing.returncode == 2
+    assert missing.stderr == "dptui run: error: No module named side_effect_pkg.nope\n"  # not a traceback
+    assert missing.stdout.count("__init__ ran") == 1  # only the script's process ran it, as python -m does
 
 
 def test_sys_exit_code_is_dptuis_exit_status():
@@ -246,12 +315,41 @@ def test_json_piped_into_head_stops_the_script_quietly():
         (["run", "--grace", "inf", script("exits_3.py")], "dptui run: error: argument --grace: --grace must be a finite number"),
         (["run", "--log", "/tmp", script("exits_3.py")], "dptui run: error: --log /tmp: is a folder; name a file in it"),
         (["run", "--log", "/dev/full", script("exits_3.py")], "dptui run: error: --log /dev/full: cannot write it"),
+        (["run", "--log", script("exits_3.py"), script("exits_3.py")],
+         f"dptui run: error: --log {script('exits_3.py')}: that is the script itself; name another file"),
+        (["run", "--trace", script("exits_3.py"), script("exits_3.py")],
+         f"dptui run: error: --trace {script('exits_3.py')}: that is the script itself; name another file"),
+        (["run", "-m", "no_such_package.train"], "dptui run: error: no module named 'no_such_package'"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2_before_anything_starts(capsys, argv, message):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith(message) and err.count("\n") == 1
+
+
+def test_a_fifo_log_that_nothing_reads_is_refused_and_one_that_is_read_gets_the_events(tmp_path):
+    fifo = tmp_path / "events"
+    os.mkfifo(fifo)
+    refused = dptui("--headless", "--log", str(fifo), script("exits_3.py"))
+    assert refused.returncode == 2  # at once: opening it would have waited for a reader forever
+    assert refused.stderr == f"dptui run: error: --log {fifo}: a FIFO that nothing reads; start its reader first\n"
+
+    reader = os.open(fifo, os.O_RDWR)  # Linux: a reader at once, that never reads EOF while open
+    try:
+        done = dptui("--headless", "--no-telemetry", "--log", str(fifo), script("exits_3.py"))
+        assert done.returncode == 3, done.stderr
+        os.set_blocking(reader, False)
+        events = json_events(os.read(reader, 1 << 16).decode())
+    finally:
+        os.close(reader)
+    assert of_type(events, "script_exited") == [{"type": "script_exited", "code": 3, "signal": None}]
+
+
+def test_help_says_json_gives_the_script_an_empty_stdin(capsys):
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    assert "the script gets an empty stdin" in " ".join(capsys.readouterr().out.split())
 
 
 def test_dptui_help_lists_the_run_subcommand(capsys):
@@ -308,6 +406,19 @@ def test_a_script_that_ignores_sigint_gets_sigterm_after_the_grace_period():
     assert code == 128 + signal.SIGTERM
     assert of_type(events, "script_exited")[0] == {"type": "script_exited", "code": 143, "signal": "SIGTERM"}
     run.assert_all_gone()
+
+
+def test_a_second_stop_while_stopping_sends_sigterm_at_once_not_after_the_grace_period():
+    run = ScriptRun(ScriptTarget(script("endless.py"), ("stubborn",)), ("cpu:0", "cpu:1"),
+                    telemetry_interval=None, grace_s=600)
+    lines: list[str] = []
+    run.subscribe(lambda e: lines.append(e.line) if isinstance(e, ScriptOutput) else None)
+    threading.Thread(target=run.run, daemon=True).start()
+    wait_for(lambda: any(line.startswith('{"child"') for line in lines), "the script's pids", timeout=60)
+    run.stop()  # SIGINT, which this script ignores: SIGTERM would come 600 s later
+    run.hurry()  # Ctrl-C after q
+    assert run.wait(30)
+    assert run.exit_code == 128 + signal.SIGTERM
 
 
 def test_if_dptui_is_killed_the_lifeline_ends_the_script_and_its_children():

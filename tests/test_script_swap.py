@@ -144,3 +144,18 @@ def test_pause_and_device_changes_reach_a_forward_of_its_own():
         run.wait(30)
         run.kill()
         thread.join(30)
+
+
+def test_a_deepcopy_of_a_dataparallel_is_an_instance_of_its_own():
+    # timm's ModelEmaV3 deep-copies the wrapped model (after the DataParallel, as timm says) and
+    # validates the copy under no_grad: its steps are the copy's, not posted under the model's.
+    events, stdout = dptui_json("timm_train_ema.py")
+    model, ema = instances(events)
+    assert model.startswith("DataParallel(Sequential, ") and model.endswith("@timm_train_ema.py:65")
+    assert ema == f"copy of {model}"
+    assert [e["copy_of"] for e in events if e["type"] == "dataparallel"] == [None, model]
+    four = [("cpu:0", 4), ("cpu:1", 4), ("cpu:2", 4)]
+    trained = [s for s in steps_of(events, model) if s["engine"]["backward_ms"] is not None]
+    assert [chunks(s) for s in trained] == [four] * 6  # 2 epochs of 3 batches
+    assert [chunks(s) for s in steps_of(events, ema)] == [four] * 2  # its validation, once an epoch
+    assert "Test (EMA): Loss:" in stdout

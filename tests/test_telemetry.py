@@ -24,6 +24,7 @@ from dpengine.telemetry import (
     TelemetryPoller,
     open_telemetry,
 )
+from dpengine.telemetry.nvml import _identity_keys
 
 # ---------------------------------------------------------------- CPU
 
@@ -254,6 +255,7 @@ class FakeGpu:
     name: str
     util: int = 0
     fail: dict[str, type[pynvml.NVMLError]] = field(default_factory=dict)  # NVML function -> error
+    mig: bool = False  # a MIG instance: NVML names it "MIG-<uuid>" and it shares its parent's bus
 
 
 class FakeNvml(types.ModuleType):
@@ -287,15 +289,15 @@ class FakeNvml(types.ModuleType):
     def nvmlDeviceGetHandleByUUID(self, uuid: str) -> FakeGpu:
         self.calls["nvmlDeviceGetHandleByUUID"] += 1
         for gpu in self.gpus:
-            if uuid == f"GPU-{gpu.uuid}":
+            if uuid == f"{'MIG' if gpu.mig else 'GPU'}-{gpu.uuid}":
                 return gpu
         raise pynvml.NVMLError_NotFound()
 
     def nvmlDeviceGetHandleByPciBusId(self, bus_id: str) -> FakeGpu:
         self.calls["nvmlDeviceGetHandleByPciBusId"] += 1
         domain, bus, rest = bus_id.split(":")  # NVML reads each part as hex, whatever its width
-        for gpu in self.gpus:
-            if int(domain, 16) == 0 and int(bus, 16) == gpu.bus and rest == "00.0":
+        for gpu in self.gpus:  # the parent GPU comes first: NVML's bus ids name whole GPUs
+            if int(domain, 16) == 0 and int(bus, 16) == gpu.bus and rest == "00.0" and not gpu.mig:
                 return gpu
         raise pynvml.NVMLError_NotFound()
 
@@ -477,3 +479,43 @@ def test_nvml_without_pynvml_degrades(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "pynvml", None)  # makes `import pynvml` raise ImportError
     (s,) = NvmlSource(["cuda:0"]).sample()
     assert s.missing["device"].startswith("NVML unavailable: pynvml cannot be imported")
+
+
+def test_nvml_tries_a_mig_instances_uuid_before_the_bus_id_it_shares_with_its_parent() -> None:
+    props = SimpleNamespace(uuid="cccccccc-0000-0000-0000-000000000003", pci_domain_id=0, pci_bus_id=0x1B,
+                            pci_device_id=0)
+    keys = [key for _, key in _identity_keys(FakeNvml([]), props)]
+    assert keys[:3] == ["GPU-cccccccc-0000-0000-0000-000000000003", "MIG-cccccccc-0000-0000-0000-000000000003",
+                        "cccccccc-0000-0000-0000-000000000003"]
+    assert all(key.endswith(":1b:00.0") for key in keys[3:])  # the bus id last
+
+
+def test_nvml_binds_a_mig_instance_not_its_parent_and_says_mig(install_fake) -> None:
+    parent = _fresh(FAST)
+    instance = FakeGpu("cccccccc-0000-0000-0000-000000000003", bus=FAST.bus, name="NVIDIA A100-SXM4-40GB", util=7,
+                       mig=True)
+    install_fake(FakeNvml([parent, instance]), [_props(instance)])  # CUDA_VISIBLE_DEVICES=MIG-ccc...
+    (s,) = NvmlSource(["cuda:0"]).sample()
+    assert s.name == "NVIDIA A100-SXM4-40GB MIG" and s.utilization_pct == 7.0 and "device" not in s.missing
+
+
+class LegacyPynvml(FakeNvml):
+    """pynvml 11.x shadowing nvidia-ml-py: string arguments must be bytes (ctypes c_char_p)."""
+
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        if isinstance(uuid, str):
+            raise TypeError("bytes or integer address expected instead of str instance")
+        return super().nvmlDeviceGetHandleByUUID(uuid.decode())
+
+
+def test_a_legacy_pynvml_package_is_named_and_training_goes_on(install_fake) -> None:
+    gpu = _fresh(FAST)
+    nvml = install_fake(LegacyPynvml([gpu]), [_props(gpu)])
+    source = open_telemetry(["cuda:0", "cpu:0"])
+    try:
+        cuda, cpu = source.sample()
+    finally:
+        source.close()
+    assert cuda.missing == {"device": "NVML unavailable: legacy pynvml package, install nvidia-ml-py"}
+    assert cuda.name == "torch Fast GPU" and cpu.device == "cpu:0"
+    assert nvml.calls["nvmlShutdown"] == 1  # what was initialised is shut down

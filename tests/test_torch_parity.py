@@ -416,3 +416,17 @@ def test_a_forward_override_that_drops_a_replica_still_runs_the_rest() -> None:
         assert_grads_equal(plain, model)
     finally:
         dp.close()
+
+
+def test_a_lazy_module_gives_torchs_own_error_and_runs_alone_to_initialize(make_dp) -> None:
+    """torch's test_data_parallel_lazy_linear: replicating uninitialized parameters is refused."""
+    dp = make_dp(nn.LazyLinear(3), ["cpu:0", "cpu:1"])
+    with pytest.raises(RuntimeError, match="Modules with uninitialized parameters can't be used with `DataParallel`"):
+        dp(torch.randn(4, 5))
+    # one device runs the module itself, as torch's does: the dummy forward that initializes it
+    alone = make_dp(nn.LazyLinear(3), ["cpu:0"])
+    assert alone(torch.randn(4, 5)).shape == (4, 3) and type(alone.module) is nn.Linear
+    alone.set_devices(["cpu:0", "cpu:1"])
+    out = alone(torch.randn(4, 5))
+    out.sum().backward()
+    assert alone.last_step.chunk_sizes == (2, 2) and alone.module.weight.grad is not None

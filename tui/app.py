@@ -33,7 +33,7 @@ from .screens.devices import DevicesScreen
 from .screens.help import HelpScreen
 from .screens.weights import WeightsScreen
 from .session import Session
-from .state import RunView
+from .state import LogLine, RunView
 from .widgets.device_grid import DeviceGrid
 from .widgets.history import HistoryChart
 from .widgets.run_log import RunLog
@@ -144,6 +144,10 @@ class DptuiApp(App[None]):
 
     @work(thread=True, exit_on_error=False, group="trainer", description="training run")
     def _train(self, session: Session) -> RunFinished | RunFailed | None:
+        return self._run_session(session)
+
+    def _run_session(self, session: Session) -> RunFinished | RunFailed | None:
+        """The run of `session`, on the calling thread, to its end."""
         view = session.view
         try:
             trainer = self._run_factory()
@@ -206,7 +210,11 @@ class DptuiApp(App[None]):
         width = self.log_view.scrollable_content_region.width or None
         with self.batch_update():
             for line in lines:
-                self.log_view.write(Text(line.text, style=LOG_STYLES[line.kind]), width=width)
+                self.log_view.write(self._log_text(line), width=width)
+
+    def _log_text(self, line: LogLine) -> Text:
+        """How a log line is drawn (dptui run's app draws the script's output safely)."""
+        return Text(line.text, style=LOG_STYLES[line.kind])
 
     def _say(self, refusal: str | None) -> None:
         if refusal:

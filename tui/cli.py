@@ -26,6 +26,7 @@ from .usage import (
     check_json_output,
     check_log_path,
     number,
+    open_log,
     parse_devices,
     whole_number,
 )
@@ -114,10 +115,18 @@ def check_args(argv: Sequence[str] | None) -> Settings:
     args = build_parser().parse_args(argv)
     check_json_output(args)
     devices, note = parse_devices(args.devices)
-    if note and args.backend == "ddp":
+    if args.backend == "ddp":
         from dpengine.distributed import torchrun_env
+        from dpengine.distributed.torchrun import rank_device_kind
 
-        note = "" if torchrun_env() else "no CUDA device found: using 2 CPU rank processes (gloo)"
+        env = torchrun_env()
+        if env is not None:
+            try:
+                rank_device_kind(env, devices)
+            except ValueError as error:
+                raise UsageError(str(error)) from None
+        if note:
+            note = "" if env else "no CUDA device found: using 2 CPU rank processes (gloo)"
     args.balance = _parse_balance(args.balance, len(devices))
     if args.resume and not Path(args.resume).is_file():
         raise UsageError(f"--resume {args.resume}: no such checkpoint file")
@@ -254,7 +263,7 @@ class _EventLog:
         from dpengine.eventlog.writer import JsonLinesWriter
 
         self.path = path
-        self._file = open(path, "w", encoding="utf-8")
+        self._file = open_log(path)
         self._writer = JsonLinesWriter(self._file)
         self.error: str | None = None  # the line saying why writing stopped
         self.say_at_once = True  # False while the UI owns the terminal: main says it afterwards
@@ -401,6 +410,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         print(log.error, file=sys.stderr)
                     code = EXIT_FAILED if code == EXIT_OK and log.failed else code
         return _close_trace(trace, code)
+    except UsageError as error:  # a FIFO --log that nothing reads: found when opening it
+        print(f"dptui: error: {error}", file=sys.stderr)
+        return _close_trace(trace, EXIT_USAGE)
     except KeyboardInterrupt:
         print("dptui: interrupted", file=sys.stderr)
         exit_now(EXIT_INTERRUPTED)  # replicas may be stuck mid-step: teardown could wait on them

@@ -78,6 +78,7 @@ class DeviceView:
     sample: DeviceSample | None = None
     steered: bool = False  # the auto-balancer sets its share
     failed: bool = False  # the run failed in this device's replica (or rank)
+    ended: str = ""  # the run is over: what the panel still shows ("last step 12, not live")
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +103,7 @@ class Snapshot:
     balance: str = "even"  # even, auto or weights: how batches are cut now
     replica_ms: float | None = None  # the last step's slowest replica, forward + backward
     even_ms: float | None = None  # the same as predicted for an even split (auto-balance only)
+    even_ms_unsure: bool = False  # that prediction is a guess: the per-row model fits badly
 
 
 @dataclass(slots=True)
@@ -120,6 +122,8 @@ def _ema(previous: float | None, value: float | None) -> float | None:
 
 class RunView:
     """Thread-safe accumulator of one run's events plus the changes the user asked for."""
+
+    MODEL_LINES = True  # the tutorial's In Model / Outside lines in the log (a script prints its own)
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
@@ -198,7 +202,7 @@ class RunView:
             device.backward_ema = _ema(device.backward_ema, replica.backward_ms)
             device.step_ms.append(replica.forward_ms + (replica.backward_ms or 0.0))
         now = self._clock()
-        if self._last_logged is None or now - self._last_logged >= LOG_EVERY_S:
+        if self.MODEL_LINES and (self._last_logged is None or now - self._last_logged >= LOG_EVERY_S):
             self._last_logged = now
             self._log.extend(LogLine(line) for line in text.model_lines(event))
 
@@ -379,6 +383,7 @@ class RunView:
                 balance=self._balance,
                 replica_ms=_slowest_replica_ms(step),
                 even_ms=step.record.even_ms if step else None,
+                even_ms_unsure=step is not None and step.record.even_ms_unsure,
             )
 
     def _shown_state(self) -> str:

@@ -7,11 +7,13 @@ checks that a file they will write can be written, before anything starts.
 from __future__ import annotations
 
 import argparse
+import errno
 import math
+import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import IO, NoReturn
 
 EXIT_USAGE = 2
 
@@ -102,6 +104,21 @@ def check_log_path(path: str, flag: str = "--log") -> None:
         _probe_writable(Path(path))
     except OSError as error:
         raise UsageError(f"{flag} {path}: cannot write it ({error.strerror or error})") from None
+
+
+def open_log(path: str) -> IO[str]:
+    """--log opened for writing. A FIFO is opened without waiting for a reader: with none it
+    would block forever (before the run even starts), so that is a UsageError instead."""
+    if not Path(path).is_fifo():
+        return open(path, "w", encoding="utf-8")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError as error:
+        if error.errno == errno.ENXIO:
+            raise UsageError(f"--log {path}: a FIFO that nothing reads; start its reader first") from None
+        raise UsageError(f"--log {path}: cannot write it ({error.strerror or error})") from None
+    os.set_blocking(fd, True)  # from here on a slow reader slows the writes, as a slow disk would
+    return os.fdopen(fd, "w", encoding="utf-8")
 
 
 def _file_in_a_folder(flag: str, path: str) -> Path:

@@ -50,11 +50,14 @@ from .config import RankConfig, WorkloadSpec
 from .host_inbox import LIVENESS_S, RankInbox
 from .launcher import SpawnedGroup, TorchrunGroup, threads_per_rank
 from .messages import Finished, Forward, Published, Ready, Restart, Steer
-from .torchrun import torchrun_env, torchrun_session
+from .torchrun import rank_device_kind, torchrun_env, torchrun_session
 
 
 class DdpTrainer(TrainerBase):
     """Same API as `dpengine.run.trainer.Trainer`, on DistributedDataParallel: one process per device.
+
+    `devices`: one per rank (default cpu:0, cpu:1). Under torchrun the ranks are torchrun's, on
+    cuda:LOCAL_RANK where there are GPUs; devices on the CPU ask for gloo ranks on the CPU there.
 
     `workload` is a `WorkloadSpec` (model target, dataset target, seed), since each rank builds
     its own copy. `step_timeout` is the process-group timeout in seconds: the longest one rank
@@ -65,7 +68,7 @@ class DdpTrainer(TrainerBase):
     """
 
     def __init__(
-        self, workload: WorkloadSpec, devices: Sequence[DeviceLike] = ("cpu:0", "cpu:1"),
+        self, workload: WorkloadSpec, devices: Sequence[DeviceLike] | None = None,
         options: RunOptions = RunOptions(), *, telemetry: TelemetrySource | None = None,
         available: Sequence[DeviceLike] | None = None, step_timeout: float | None = None,
         startup_timeout: float = 120.0, liveness_timeout: float = LIVENESS_S,
@@ -94,7 +97,7 @@ class DdpTrainer(TrainerBase):
     def _rank_devices(self, devices: Sequence[DeviceLike], available: Sequence[DeviceLike] | None):
         """(one device name per rank, what set_devices may choose from); under torchrun, torchrun's ranks."""
         if self._torchrun is None:
-            resolved = resolve_devices(devices)
+            resolved = resolve_devices(("cpu:0", "cpu:1") if devices is None else devices)
             chosen = resolve_devices(available) if available else available_devices(resolved)
             return tuple(device_name(d) for d in resolved), tuple(device_name(d) for d in chosen)
         if self._torchrun.rank != 0:
@@ -102,7 +105,8 @@ class DdpTrainer(TrainerBase):
                 "under torchrun DdpTrainer runs on rank 0 only; the other ranks run "
                 "`python -m tui.torchrun` (or call dpengine.distributed.worker.follow)"
             )
-        kind = "cuda" if torch.cuda.is_available() else "cpu"
+        asked = None if devices is None else [device_name(d) for d in resolve_devices(devices)]
+        kind = rank_device_kind(self._torchrun, asked)
         ranks = tuple(f"{kind}:{r}" for r in range(self._torchrun.world_size))
         return ranks, ranks
 

@@ -329,6 +329,7 @@ class RankLoop(EpochLoop):
             backward_ms=max(p["backward_ms"] for p in gathered),  # with the gradient all-reduce
             split=split[0], split_weights=split[1], balanced=split[2],
             even_ms=plan.even_ms if plan is not None else None,
+            even_ms_unsure=plan is not None and plan.even_unsure,
         )
         if plan is not None and plan.changed:
             self._event(SplitChanged(run.step + 1, "auto", plan.weights, by_balancer=True))
@@ -434,7 +435,15 @@ class RankLoop(EpochLoop):
 def _own_device(config: RankConfig, rank: int, local_rank: int | None) -> torch.device:
     if config.backend == "nccl" or config.devices[rank].startswith("cuda"):
         if config.torchrun:
-            return torch.device("cuda", local_rank if local_rank is not None else 0)
+            index = local_rank if local_rank is not None else 0
+            gpus = torch.cuda.device_count()
+            if index >= gpus:  # another machine than rank 0's, with fewer GPUs than ranks
+                raise RuntimeError(
+                    f"local rank {index} needs cuda:{index}, but its machine has {gpus} GPU"
+                    f"{'' if gpus == 1 else 's'}: give torchrun --nproc-per-node={gpus} or fewer there, "
+                    "or --devices cpu for ranks on the CPU (gloo)"
+                )
+            return torch.device("cuda", index)
         return parse_device(config.devices[rank])
     return torch.device("cpu", rank)
 

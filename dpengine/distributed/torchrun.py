@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import torch
 
 from .channel import FD_ENV, StoreBoard
 
@@ -34,6 +37,26 @@ def torchrun_env() -> TorchrunEnv | None:
         master_port=int(env["MASTER_PORT"]),
         run_id=env.get("TORCHELASTIC_RUN_ID", "none"),
     )
+
+
+def rank_device_kind(env: TorchrunEnv, devices: Sequence[str] | None = None) -> str:
+    """"cuda" or "cpu": where this machine's ranks run under torchrun (nccl or gloo).
+
+    The CPU when asked for (`devices` on the CPU, `--devices cpu`) or when there is no GPU;
+    else one GPU per local rank, cuda:LOCAL_RANK, which needs as many GPUs as torchrun starts
+    ranks here: a ValueError in one line otherwise (torch's own "invalid device ordinal" comes
+    only from the rank that lacks one).
+    """
+    if (devices and devices[0].startswith("cpu")) or not torch.cuda.is_available():
+        return "cpu"
+    gpus = torch.cuda.device_count()
+    if env.local_world_size > gpus:
+        raise ValueError(
+            f"torchrun starts {env.local_world_size} ranks on this machine, which has {gpus} "
+            f"GPU{'' if gpus == 1 else 's'}: give --nproc-per-node={gpus} or fewer, or --devices cpu "
+            "for ranks on the CPU (gloo)"
+        )
+    return "cuda"
 
 
 class TorchrunSession:

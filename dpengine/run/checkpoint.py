@@ -59,16 +59,34 @@ def save_checkpoint(state: dict, path: Path) -> None:
     """Write `state` to `path` whole or not at all: never a half-written checkpoint.
 
     A `.partial` left by a save that was killed is overwritten here; one from a save that
-    fails here is removed, so no half-written file outlives its save.
+    fails here is removed, so no half-written file outlives its save. As SQLite and git do,
+    the file's bytes reach the disk (fsync) before the rename makes it the checkpoint, and
+    the rename itself reaches it (fsync of the folder) before the save returns: after a
+    power loss `path` is the old checkpoint or the new one, never an empty file.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
     try:
-        torch.save(state, partial)
+        with open(partial, "wb") as file:
+            torch.save(state, file)
+            file.flush()
+            os.fsync(file.fileno())
         os.replace(partial, path)
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
+    _fsync_folder(path.parent)
+
+
+def _fsync_folder(folder: Path) -> None:
+    try:
+        descriptor = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return  # a platform whose folders cannot be opened (Windows) keeps renames without it
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 def checkpoint_due(step: int, every: int | None) -> bool:

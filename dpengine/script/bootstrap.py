@@ -35,7 +35,7 @@ def _stay_with_dptui() -> None:
 
 
 def _connect() -> None:
-    from . import wire
+    from . import unrecorded, wire
     from .link import ParentLink
     from .swap import install
 
@@ -45,6 +45,7 @@ def _connect() -> None:
     for fd in (events_fd, control_fd):
         os.set_inheritable(fd, False)
     link = ParentLink(events_fd, control_fd, devices)
+    unrecorded.watch(link)
     install(link)
     atexit.register(link.flush)
 
@@ -54,7 +55,14 @@ def _run(argv: list[str]) -> None:
         module, args = argv[1], argv[2:]
         sys.argv = [module, *args]  # runpy puts the module's file in argv[0]
         sys.path[0] = os.getcwd()  # as `python -m` does
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        try:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        except ImportError as error:
+            if not _from_runpy(error):
+                raise  # the module's own import failed: its traceback, as python shows it
+            # dptui could not tell without importing its packages: the module is not there.
+            print(f"dptui run: error: {error}", file=sys.stderr)
+            sys.exit(2)
     else:
         path, args = argv[0], argv[1:]
         sys.argv = [path, *args]
@@ -81,6 +89,14 @@ def main() -> None:
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGINT)
         sys.exit(1)
+
+
+def _from_runpy(error: BaseException) -> bool:
+    """runpy raised it itself, looking for the module (not the module, running)."""
+    tb = error.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb.tb_frame.f_code.co_filename in (os.path.abspath(runpy.__file__), "<frozen runpy>")
 
 
 def _user_frames(tb):

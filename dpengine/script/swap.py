@@ -12,6 +12,7 @@ device changes like the class; torch's pieces themselves work on virtual devices
 
 from __future__ import annotations
 
+import copyreg
 import functools
 import sys
 import threading
@@ -37,6 +38,9 @@ class DataParallel(EngineDataParallel):
     """torch.nn.DataParallel under `dptui run`: `device_ids=None` means dptui's --devices."""
 
     _dptui_kind: str | None = None  # how the label names it; None: the class's name
+    # Named as the class it stands in for: a pickle names torch's class, which is this one
+    # under `dptui run` and torch's own without dptui (see __reduce_ex__).
+    __module__ = "torch.nn.parallel.data_parallel"
 
     def __init__(self, module: torch.nn.Module, device_ids=None, output_device=None, dim: int = 0, **kwargs: Any):
         link = _link
@@ -76,6 +80,21 @@ class DataParallel(EngineDataParallel):
             site = call_site()
             object.__setattr__(self, "_dptui_site", site)
             self._dptui_attach(link, _instances.label(self._dptui_name(), self.module, site))
+
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        """Pickle (pickle.dumps, torch.save) as torch's DataParallel, so the file loads without dptui.
+
+        A copy (copy.deepcopy) stays this class: DataParallel.__deepcopy__ does not come here.
+        """
+        cls = type(self)
+        if cls is DataParallel:
+            # torch's name for the class: this one once the swap holds it, else torch's own.
+            cls = sys.modules["torch.nn.parallel.data_parallel"].DataParallel
+        state = self.torch_state()
+        for name in [k for k in state if k.startswith("_dptui")]:
+            del state[name]
+        # Not copyreg.__newobj__: pickle refuses it for a class other than type(self).
+        return copyreg._reconstructor, (cls, object, None), state
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -2,7 +2,9 @@
 
 CUDA numbers devices fastest-first (and CUDA_VISIBLE_DEVICES may remap or name them by UUID),
 NVML numbers them in PCI order, so each torch device is matched to its NVML handle by UUID or
-PCI bus id, never by index. Handles and static facts are read once; a sample only reads gauges.
+PCI bus id, never by index. A MIG instance is matched by its `MIG-` UUID before the bus id, which
+it shares with its parent GPU (whole-GPU memory, no utilisation), and its name says "MIG".
+Handles and static facts are read once; a sample only reads gauges.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ def _reason(err: Exception) -> str:
     return _REASONS.get(type(err).__name__) or str(err)
 
 
+LEGACY_PYNVML = "NVML unavailable: legacy pynvml package, install nvidia-ml-py"
+
+
 class _Unavailable(Exception):
     """NVML or the CUDA device cannot be used; the message is shown to the user."""
 
@@ -69,8 +74,14 @@ class NvmlSource:
             self._nvml = _init_nvml()
         except _Unavailable as err:
             self._gpus = [_Gpu(d, _torch_name(i), unavailable=str(err)) for d, i in indexed]
-        else:
+            return
+        try:
             self._gpus = [self._open(d, i) for d, i in indexed]
+        except TypeError:
+            # The `pynvml` package of 11.x or before shadows nvidia-ml-py's module of the same
+            # name: its calls take bytes where we pass str (and torch itself imports it).
+            self._gpus = [_Gpu(d, _torch_name(i), unavailable=LEGACY_PYNVML) for d, i in indexed]
+            self.close()
 
     def sample(self) -> tuple[DeviceSample, ...]:
         with self._lock:
@@ -93,7 +104,7 @@ class NvmlSource:
             props = _cuda_properties(index)
         except _Unavailable as err:
             return _Gpu(device, "GPU", unavailable=str(err))
-        handle = _find_handle(self._nvml, props)
+        handle, key = _find_handle(self._nvml, props)
         if handle is None:
             reason = f"no NVML device matches {device} (UUID {props.uuid})"
             return _Gpu(device, props.name, unavailable=reason)
@@ -101,6 +112,8 @@ class NvmlSource:
         nvml, missing = self._nvml, gpu.static_missing
         # torch's name stands in when NVML has none, so nothing is reported missing for it.
         gpu.name = self._query(gpu, {}, "name", nvml.nvmlDeviceGetName) or props.name
+        if key.startswith("MIG-") and "MIG" not in gpu.name:
+            gpu.name = f"{gpu.name} MIG"
         memory = self._query(gpu, missing, "memory_total_bytes", nvml.nvmlDeviceGetMemoryInfo)
         gpu.memory_total_bytes = None if memory is None else int(memory.total)
         limit_mw = self._query(gpu, missing, "power_limit_w", nvml.nvmlDeviceGetEnforcedPowerLimit)
@@ -182,20 +195,23 @@ def _torch_name(index: int) -> str:
         return "GPU"
 
 
-def _find_handle(nvml: ModuleType, props: Any) -> Any:
-    """The NVML handle of the device torch describes by `props`, or None when none matches."""
+def _find_handle(nvml: ModuleType, props: Any) -> tuple[Any, str]:
+    """The NVML handle of the device torch describes by `props` and the key that found it;
+    (None, "") when none matches."""
     for lookup, key in _identity_keys(nvml, props):
         try:
-            return lookup(key)
+            return lookup(key), key
         except nvml.NVMLError:
             continue
-    return None
+    return None, ""
 
 
 def _identity_keys(nvml: ModuleType, props: Any) -> list[tuple[Callable[[str], Any], str]]:
-    # NVML UUIDs carry a "GPU-" prefix that torch's does not (or may, if torch changes): try both.
+    """What to look a torch device up by in NVML, in order: its UUID as a whole GPU's ("GPU-"),
+    as a MIG instance's ("MIG-"; CUDA gives a MIG instance its own UUID), bare (should torch
+    add the prefix itself), then its PCI bus id, which a MIG instance shares with its parent."""
     uuid = str(props.uuid)
-    keys = [(nvml.nvmlDeviceGetHandleByUUID, f"GPU-{uuid}"), (nvml.nvmlDeviceGetHandleByUUID, uuid)]
+    keys = [(nvml.nvmlDeviceGetHandleByUUID, f"{prefix}{uuid}") for prefix in ("GPU-", "MIG-", "")]
     if hasattr(props, "pci_bus_id"):  # not in every torch build
         bus = f"{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
         for domain in (f"{props.pci_domain_id:08x}", f"{props.pci_domain_id:04x}"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -14,22 +15,32 @@ from textual.binding import Binding
 from dpengine.eventlog.events import Event, RunFailed, RunFinished, RunStarted
 
 from .. import format as fmt
-from ..app import DptuiApp
-from ..state import Notice, RunView, Snapshot
+from ..app import LOG_STYLES, DptuiApp
+from ..session import Session
+from ..state import LogLine, Notice, RunView, Snapshot
 from ..widgets.status_bar import STATE_STYLES, StatusBar
-from .events import DataParallelSeen, ScriptEvent, ScriptExited, ScriptOutput
+from .events import DataParallelSeen, ScriptEvent, ScriptExited, ScriptNotice, ScriptOutput
+from .safe_text import safe_text
 from .script_run import BATCH_OWNED, ScriptRun
 
 WAIT_NOTE_AFTER_S = 0.5
 
 
 class ScriptRunView(RunView):
-    """RunView plus the script's output, its DataParallel objects and its exit status."""
+    """RunView plus the script's output, its DataParallel objects and its exit status.
+
+    The log is the script's own output (no In Model / Outside lines of dptui's: it prints its
+    own); a line it redraws with `\\r` is its live tail. The panels are the devices of the
+    DataParallel they follow, not every device it could be moved to.
+    """
+
+    MODEL_LINES = False
 
     def __init__(self, label: str, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(clock)
         self._label = label
         self._exit: ScriptExited | None = None
+        self._live: dict[str, ScriptOutput] = {}  # per stream: its \r line as it stands
 
     def feed(self, event: Event | ScriptEvent) -> None:
         if isinstance(event, (RunFinished, RunFailed)):
@@ -41,7 +52,7 @@ class ScriptRunView(RunView):
         super().feed(event)
 
     def _handle(self, event: Event | ScriptEvent) -> None:
-        handler = {ScriptOutput: self._on_output, DataParallelSeen: self._on_seen,
+        handler = {ScriptOutput: self._on_output, ScriptNotice: self._on_notice, DataParallelSeen: self._on_seen,
                    ScriptExited: self._on_exit}.get(type(event))
         if handler is None:
             super()._handle(event)
@@ -49,7 +60,20 @@ class ScriptRunView(RunView):
             handler(event)
 
     def _on_output(self, event: ScriptOutput) -> None:
+        if event.cr:
+            self._live[event.stream] = event
+            return
+        self._live.pop(event.stream, None)  # its line ended: this is its last state
         self._event(event.line, "error" if event.stream == "stderr" else "model")
+
+    def live_lines(self) -> tuple[LogLine, ...]:
+        """The lines the script is still redrawing (its progress bars), as they stand."""
+        with self._lock:
+            return tuple(LogLine(e.line, "error" if e.stream == "stderr" else "model") for e in self._live.values())
+
+    def _on_notice(self, event: ScriptNotice) -> None:
+        self._event(event.text)
+        self._notices.append(Notice(event.text, severity="warning"))
 
     def _on_seen(self, event: DataParallelSeen) -> None:
         more = "" if event.count == 1 else " (i switches the panels to it)"
@@ -70,10 +94,14 @@ class ScriptRunView(RunView):
     def snapshot(self) -> Snapshot:
         snap = super().snapshot()
         # A script's loss is its own: dptui sees only what passes through DataParallel.
-        snap = dataclasses.replace(snap, loss=None, loss_history=())
+        # Panels: the devices in the run and those asked to join (1-9 and d add the others).
+        panels = tuple(p for p in snap.panels if p.active or p.pending)
+        snap = dataclasses.replace(snap, loss=None, loss_history=(), panels=panels)
         if self._exit is not None:
+            ended = f"last step {snap.step}, not live"  # what stays on the panels once the script is gone
             return dataclasses.replace(snap, state=f"script exited {self._exit.code} — q to quit",
-                                       workload=snap.workload or self._label)
+                                       workload=snap.workload or self._label,
+                                       panels=tuple(dataclasses.replace(p, ended=ended) for p in panels))
         if not snap.workload:
             return dataclasses.replace(snap, workload=self._label, state="no DataParallel seen yet")
         return snap
@@ -128,9 +156,32 @@ class ScriptApp(DptuiApp):
         super().__init__(lambda: run, **kwargs)
         self.title = f"dptui run {run.target.label}"
         self.status = ScriptStatusBar(run.target.label, id="status")
+        self._live_shown: tuple[LogLine, ...] = ()
 
     def _new_view(self) -> ScriptRunView:
         return ScriptRunView(self.run_.target.label, self._clock)
+
+    def _start_run(self) -> None:
+        # On a thread of its own, not a Textual worker: the app's exit waits for its workers,
+        # which would hold the terminal, given back already, silent until the script ends after
+        # q (its grace periods). run_script_app waits for it instead, says so, and Ctrl-C there
+        # hurries it.
+        self.session = Session(self._new_view())
+        self._shown_version = -1
+        threading.Thread(target=self._run_session, args=(self.session,), name="dptui-run-script", daemon=True).start()
+
+    def _log_text(self, line: LogLine) -> Text:
+        # The script wrote for a terminal: its escape sequences must not drive dptui's.
+        return safe_text(line.text, LOG_STYLES[line.kind])
+
+    def _refresh_widgets(self) -> None:
+        super()._refresh_widgets()
+        live = self.session.view.live_lines()
+        if live != self._live_shown:  # a progress bar redrawn: its line, in place, at the log's end
+            self._live_shown = live
+            self._flush_log()  # what was printed before this state goes above it
+            width = self.log_view.scrollable_content_region.width or None
+            self.log_view.show_live([self._log_text(line) for line in live], width)
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action == "restart":
@@ -170,7 +221,7 @@ def run_script_app(run: ScriptRun) -> int:
     app = ScriptApp(run)
 
     def on_signal(signum, frame) -> None:  # dptui itself told to stop: the script goes too
-        run.stop()
+        run.hurry()  # as q; again while it stops (Ctrl-C after q): SIGTERM now, SIGKILL soon after
         app.exit()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -178,7 +229,7 @@ def run_script_app(run: ScriptRun) -> int:
         app.run()
         run.stop()
         if not run.wait(WAIT_NOTE_AFTER_S):
-            print("dptui: waiting for the script to stop (SIGINT, then SIGTERM, then SIGKILL)",
+            print("dptui: waiting for the script to stop (SIGINT, then SIGTERM, then SIGKILL; Ctrl-C hurries it)",
                   file=sys.stderr, flush=True)
             run.wait()
     finally:

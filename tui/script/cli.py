@@ -7,6 +7,7 @@ status is the script's (128+N if signal N ended it).
 from __future__ import annotations
 
 import argparse
+import importlib.machinery
 import importlib.util
 import os
 import signal
@@ -16,8 +17,9 @@ from pathlib import Path
 from typing import IO
 
 from ..stdout_pipe import StopOnBrokenPipe, silence_stdout
-from ..usage import EXIT_USAGE, Parser, UsageError, check_json_output, check_log_path, number
+from ..usage import EXIT_USAGE, Parser, UsageError, check_json_output, check_log_path, number, open_log
 from ..usage import parse_devices as parse_device_names
+from .events import ScriptNotice
 from .script_run import GRACE_S, ScriptRun, ScriptTarget
 
 USAGE = "dptui run [OPTIONS] (SCRIPT.py | -m MODULE) [ARGS...]"
@@ -38,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="no UI: the script's output passes through unchanged")
     parser.add_argument("--json", action="store_true",
                         help="with --headless: JSON Lines events on stdout, the script's output as "
-                        '{"type": "output", ...} events')
+                        '{"type": "output", ...} events; the script gets an empty stdin (as in the UI)')
     parser.add_argument("--log", metavar="FILE", help="write the run's events as JSON Lines to FILE")
     parser.add_argument("--trace", metavar="FILE",
                         help="write the run as a trace Perfetto and chrome://tracing open (Chrome trace JSON)")
@@ -71,29 +73,52 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, ScriptTarget]:
         raise UsageError(f"name a script or -m MODULE to run: {USAGE}")
     if rest[0] == "-m":
         target = ScriptTarget(rest[1], tuple(rest[2:]), module=True)
-        _check_module(target.program)
+        program_file = _module_file(target.program)
     else:
         target = ScriptTarget(rest[0], tuple(rest[1:]))
-        if not Path(target.program).is_file():
+        program_file = target.program
+        if not Path(program_file).is_file():
             raise UsageError(f"no such script: {target.program}")
     if args.log:
         check_log_path(args.log)
     if args.trace:
         check_log_path(args.trace, "--trace")
+    for flag, path in (("--log", args.log), ("--trace", args.trace)):
+        if path and program_file is not None and _same_file(path, program_file):
+            raise UsageError(f"{flag} {path}: that is the script itself; name another file for the events")
     return args, target
 
 
-def _check_module(name: str) -> None:
-    # Looked up as `python -m` would, from the current directory first.
-    sys.path.insert(0, os.getcwd())
+def _module_file(name: str) -> str | None:
+    """The file `python -m name` would run, found without importing anything: a package's
+    `__init__` is the script's to run, once, in its own process. A UsageError if the top-level
+    name is nowhere; None if only importing could tell (a package's __init__ may extend its
+    __path__): the child then says "no module" itself, in one line."""
+    parts = name.split(".")
+    if not all(part.isidentifier() for part in parts):
+        raise UsageError(f"no module named {name!r}")
+    sys.path.insert(0, os.getcwd())  # looked up as `python -m` would, from the current directory first
     try:
-        spec = importlib.util.find_spec(name)
+        spec = importlib.util.find_spec(parts[0])  # a top-level name: found, not imported
     except (ImportError, ValueError):
         spec = None
     finally:
         sys.path.pop(0)
     if spec is None:
-        raise UsageError(f"no module named {name!r}")
+        raise UsageError(f"no module named {parts[0]!r}")
+    for depth in range(1, len(parts)):
+        if spec is None or spec.submodule_search_locations is None:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(".".join(parts[:depth + 1]),
+                                                        list(spec.submodule_search_locations))
+    return spec.origin if spec is not None and spec.has_location else None
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet)
+        return False
 
 
 def parse_devices(spec: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -108,6 +133,7 @@ def main(argv: Sequence[str]) -> int:
     try:
         args, target = parse(argv)
         devices, available = parse_devices(args.devices)
+        log = open_log(args.log) if args.log else None
     except UsageError as error:
         print(f"dptui run: error: {error}", file=sys.stderr)
         return EXIT_USAGE
@@ -116,7 +142,6 @@ def main(argv: Sequence[str]) -> int:
         target, devices, available, capture_output=not args.headless or args.json,
         telemetry_interval=None if args.no_telemetry else args.telemetry_interval, grace_s=args.grace,
     )
-    log = open(args.log, "w", encoding="utf-8") if args.log else None
     trace = None
     try:
         if log is not None:
@@ -129,7 +154,12 @@ def main(argv: Sequence[str]) -> int:
         if not args.headless:
             from .app import run_script_app
 
-            return run_script_app(run)
+            notices: list[ScriptNotice] = []  # said once the UI has given the terminal back
+            run.subscribe(lambda event: notices.append(event) if isinstance(event, ScriptNotice) else None)
+            code = run_script_app(run)
+            for notice in notices:
+                _say_notices(notice)
+            return code
         return _run_headless(run, json_out=args.json)
     finally:
         run.kill()  # never leave the script's group behind, whatever happened here
@@ -151,10 +181,23 @@ def _json_lines(stream: IO[str]):
     return JsonLinesWriter(stream, to_json)
 
 
+def _say_notices(event: object) -> None:
+    """What dptui has to say about the script, one line each on stderr."""
+    if isinstance(event, ScriptNotice):
+        print(f"dptui: {event.text}", file=sys.stderr, flush=True)
+
+
 def _run_headless(run: ScriptRun, json_out: bool) -> int:
     guard = StopOnBrokenPipe(_json_lines(sys.stdout), run)
     if json_out:
         run.subscribe(guard)
+    run.subscribe(_say_notices)  # on stderr: --json keeps stdout to its events
+    summary = None
+    if not json_out:  # the sums `dptui view --headless` of the --log would print
+        from dpengine.eventlog.summary import RunSummary
+
+        summary = RunSummary()
+        run.subscribe(summary.feed)
     signals = 0
 
     def on_signal(signum, frame) -> None:
@@ -171,6 +214,10 @@ def _run_headless(run: ScriptRun, json_out: bool) -> int:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+    if summary is not None and summary.steps:  # no step: the notice said why
+        from ..view.cli import summary_lines
+
+        print("\n".join(summary_lines(summary)), file=sys.stderr, flush=True)
     if guard.broken:
         # Piped into e.g. `head`, which has read enough: not the script's failure, nor ours.
         silence_stdout()

@@ -18,6 +18,7 @@ class ScriptStarted:
 class ScriptOutput:
     stream: str  # "stdout" or "stderr"
     line: str  # without its newline
+    cr: bool = False  # the state so far of a line redrawn with \r (a progress bar), not yet ended
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,19 +40,31 @@ class StepsDropped:
 
 
 @dataclass(frozen=True, slots=True)
+class ScriptNotice:
+    """Something dptui saw or could not see in the script, said once."""
+
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
 class ScriptExited:
     code: int  # dptui's exit status: the script's, 128+N after signal N
     signal: str | None = None  # "SIGKILL" when a signal ended it
 
 
-_TYPES = {ScriptStarted: "script_started", ScriptOutput: "output",
+_TYPES = {ScriptStarted: "script_started", ScriptOutput: "output", ScriptNotice: "notice",
           DataParallelSeen: "dataparallel", StepsDropped: "dropped", ScriptExited: "script_exited"}
 
-ScriptEvent = ScriptStarted | ScriptOutput | DataParallelSeen | StepsDropped | ScriptExited
+ScriptEvent = ScriptStarted | ScriptOutput | ScriptNotice | DataParallelSeen | StepsDropped | ScriptExited
 
 
 def to_json(event: Event | ScriptEvent) -> dict[str, Any]:
     """Any event of a script run as a JSON dict: the encoder its JsonLinesWriter is given."""
     name = _TYPES.get(type(event))
-    return {"type": name, **asdict(event)} if name else to_json_dict(event)
+    if name is None:
+        return to_json_dict(event)
+    body = {"type": name, **asdict(event)}
+    if body.get("cr") is False:
+        del body["cr"]  # marked only where it is true: a finished line reads as it always did
+    return body
 

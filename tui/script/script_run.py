@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -37,9 +38,12 @@ from dpengine.run.protocol import BALANCE, BATCH_SIZE, DEVICES, PAUSE, ControlUn
 from dpengine.script import wire
 
 from . import spawner
-from .events import DataParallelSeen, ScriptExited, ScriptOutput, ScriptStarted, StepsDropped
+from .events import DataParallelSeen, ScriptExited, ScriptNotice, ScriptOutput, ScriptStarted, StepsDropped
+from .notices import end_notices
+from .output_lines import OutputLines
 
 GRACE_S = 5.0  # after SIGINT, then after SIGTERM, before the next signal
+HURRY_S = 1.0  # asked to stop again while stopping: SIGTERM now, SIGKILL this much later
 BATCH_OWNED = "The script owns its batch size: change it in the script."
 
 
@@ -88,6 +92,7 @@ class ScriptRun(Publisher):
         self._control_w: int | None = None
         self._lifeline_w: int | None = None
         self._stopping = False
+        self._hurry = threading.Event()  # a second stop: cut the grace periods short
         self._done = threading.Event()
         self._started_at = 0.0
         self._config: RunConfig | None = None
@@ -95,6 +100,8 @@ class ScriptRun(Publisher):
         self._devices: tuple[str, ...] = ()
         self._seen: dict[str, tuple[str, ...]] = {}
         self._threads: dict[str, dict[str, int]] = {}  # per instance: device -> native thread id
+        self._stepped: set[str] = set()  # instances with a step recorded
+        self._used: list[str] = []  # classes the child built and does not record (wire `used`)
         self._steps = self._samples = 0
         self._requests = 0  # numbered as a Trainer numbers them; the child's events carry them back
         self.exit_code: int | None = None
@@ -144,6 +151,15 @@ class ScriptRun(Publisher):
             started = self._proc is not None
         if started:
             threading.Thread(target=self._escalate, name="dptui-run-stop", daemon=True).start()
+
+    def hurry(self) -> None:
+        """Stop, and if stopping already, without the grace periods: SIGTERM now, SIGKILL soon after."""
+        with self._lock:
+            again = self._stopping
+        if again:
+            self._hurry.set()
+        else:
+            self.stop()
 
     def kill(self) -> None:
         """End the whole group now (dptui itself is going)."""
@@ -236,9 +252,21 @@ class ScriptRun(Publisher):
         return TelemetryPoller(source, lambda s: self._publish(TelemetrySampled(s)), self._telemetry_interval).start()
 
     def _read_output(self, stream: IO[bytes], name: str) -> None:
+        """Lines as a terminal shows them; a progress bar's line as it stands, a few times a second."""
+        lines = OutputLines(lambda line, cr: self._publish(ScriptOutput(name, line, cr)))
+        fd = stream.fileno()
         with stream:
-            for raw in stream:
-                self._publish(ScriptOutput(name, raw.decode("utf-8", "replace").rstrip("\r\n")))
+            while True:
+                due = lines.due()  # a bar's newer state waits for its turn: wake up for it
+                wait = None if due is None else max(0.0, due - time.monotonic())
+                if not select.select([fd], [], [], wait)[0]:
+                    lines.tick()
+                    continue
+                data = os.read(fd, 1 << 16)
+                if not data:
+                    break
+                lines.feed(data)
+            lines.close()
 
     def _read_events(self, fd: int) -> None:
         with os.fdopen(fd, "rb") as pipe:
@@ -255,7 +283,10 @@ class ScriptRun(Publisher):
         if kind == "dp_created" and instance not in self._seen:
             self._seen[instance] = tuple(body["devices"])
             self._publish(DataParallelSeen(instance, tuple(body["devices"]), len(self._seen), body.get("copy_of")))
+        elif kind == "used" and body.get("what") not in self._used:
+            self._used.append(str(body.get("what")))
         elif kind == "step":
+            self._stepped.add(instance)
             if self._shown is None:
                 self._shown = instance
             self._on_step(body)
@@ -305,6 +336,10 @@ class ScriptRun(Publisher):
             code = returncode
         self.exit_code = code
         seconds = time.monotonic() - self._started_at
+        gpus = sum(d.startswith("cuda:") for d in self._available)
+        completed = code == 0 and not self._stopping
+        for text in end_notices(list(self._seen), self._stepped, self._used, gpus, completed):
+            self._publish(ScriptNotice(text))
         self._publish(ScriptExited(code, signame))
         if code == 0:
             final: RunFinished | RunFailed = RunFinished(
@@ -319,15 +354,29 @@ class ScriptRun(Publisher):
     # -- signals and control ----------------------------------------------------------
 
     def _escalate(self) -> None:
+        """SIGINT, SIGTERM after the grace period, SIGKILL after another; hurry() skips to SIGTERM."""
         proc = self._proc
         for signum in (signal.SIGINT, signal.SIGTERM):
             self._signal_group(signum)
-            try:
-                proc.wait(self._grace_s)
+            if self._ended_within(proc, self._grace_s, unless=self._hurry):
                 return
-            except subprocess.TimeoutExpired:
-                continue
+            if self._hurry.is_set():
+                self._signal_group(signal.SIGTERM)
+                if self._ended_within(proc, HURRY_S):
+                    return
+                break
         self._signal_group(signal.SIGKILL)
+
+    @staticmethod
+    def _ended_within(proc: subprocess.Popen, seconds: float, unless: threading.Event | None = None) -> bool:
+        """Whether the script ends within `seconds`; False at once when `unless` is set."""
+        deadline = time.monotonic() + seconds
+        while proc.poll() is None:
+            left = deadline - time.monotonic()
+            if left <= 0 or (unless is not None and unless.is_set()):
+                return False
+            time.sleep(min(left, 0.02))
+        return True
 
     def _signal_group(self, signum: int) -> None:
         proc = self._proc

@@ -124,12 +124,15 @@ class DevicePanel(TextLines):
         old, self.view = self.view, view
         if view == old:
             return
-        frame = (view.name, view.active, view.pending, bool(view.sample and view.sample.lost), view.failed)
+        frame = (view.name, view.active, view.pending, bool(view.sample and view.sample.lost), view.failed,
+                 view.ended)
         if old is None or frame != (old.name, old.active, old.pending, bool(old.sample and old.sample.lost),
-                                    old.failed):
+                                    old.failed, old.ended):
             title = f"{view.index + 1} {view.device}"
             self.border_title = f"{title} {view.name}" if view.name else title
-            self.border_subtitle = "failed" if view.failed else view.pending or ("" if view.active else "off")
+            self.border_subtitle = ("failed" if view.failed else view.ended or view.pending
+                                    or ("" if view.active else "off"))
+            self.set_class(bool(view.ended), "-ended")
             self.set_class(not view.active, "-inactive")
             self.set_class(bool(view.pending), "-pending")
             self.set_class(frame[3], "-lost")

@@ -34,8 +34,10 @@ def status_text(snap: Snapshot, width: int) -> Text:
         state.append(f": {snap.pending}", style="magenta")
     timing = []
     if snap.replica_ms is not None and snap.even_ms is not None:
-        # What auto-balance buys: the slowest replica now, and as an even split would predict it.
-        timing = [Text(f"step {fmt.ms(snap.replica_ms)} ms (even ~{fmt.ms(snap.even_ms)})")]
+        # What auto-balance buys: the slowest replica now, and as an even split would predict it
+        # (with "?" when the measurements fit the per-row model badly: then it is a guess).
+        guess = "?" if snap.even_ms_unsure else ""
+        timing = [Text(f"step {fmt.ms(snap.replica_ms)} ms (even ~{fmt.ms(snap.even_ms)}{guess})")]
     health = sep.join([
         *timing,
         Text(f"{fmt.rate(snap.samples_per_s)} samples/s"),

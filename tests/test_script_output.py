@@ -1,0 +1,73 @@
+"""A script's output as dptui shows it: lines as a terminal would, progress bars, escape sequences."""
+
+from __future__ import annotations
+
+from rich.text import Text
+
+from tui.script.output_lines import OutputLines
+from tui.script.safe_text import safe_text
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def collect(clock: Clock) -> tuple[OutputLines, list[tuple[str, bool]]]:
+    out: list[tuple[str, bool]] = []
+    return OutputLines(lambda line, cr: out.append((line, cr)), interval=0.25, clock=clock), out
+
+
+def test_lines_pass_as_written_and_a_line_left_open_ends_with_the_stream():
+    clock = Clock()
+    lines, out = collect(clock)
+    lines.feed(b"one  \ntw")
+    lines.feed(b"o\r\nthr\xc3")  # \r\n is a newline; a character cut between two reads is whole
+    lines.feed(b"\xa9e")
+    lines.close()
+    assert out == [("one  ", False), ("two", False), ("thr\u00e9e", False)]
+
+
+def test_a_redrawn_line_is_handed_on_as_it_stands_at_most_every_interval_then_as_a_line():
+    clock = Clock()
+    lines, out = collect(clock)
+    lines.feed(b"\r  0%|")  # its first state at once
+    lines.feed(b"\r 10%|#")  # too soon: held
+    clock.now = 0.1
+    lines.feed(b"\r 20%|##")
+    assert out == [("  0%|", True)]
+    assert lines.due() == 0.25  # the reader wakes up for it, though nothing more is written
+    clock.now = 0.25
+    lines.tick()
+    lines.tick()  # nothing new: nothing again
+    lines.feed(b"\r100%|####|\n")
+    assert out == [("  0%|", True), (" 20%|##", True), ("100%|####|", False)]
+
+
+def test_a_redraw_overwrites_from_the_lines_start_as_a_terminal_does():
+    clock = Clock()
+    lines, out = collect(clock)
+    lines.feed(b"epoch 1: 100 batches\rEPOCH")
+    lines.feed(b"\r")  # held: the start of a \r\n, it turns out
+    lines.feed(b"\nnext\n")
+    assert out == [("EPOCH 1: 100 batches", True), ("EPOCH 1: 100 batches", False), ("next", False)]
+
+
+def test_a_line_without_end_is_handed_on_in_pieces():
+    clock = Clock()
+    lines, out = collect(clock)
+    lines.feed(b"x" * (1 << 16) + b"tail")
+    lines.close()
+    assert [(len(line), cr) for line, cr in out] == [(1 << 16, False), (4, False)]
+
+
+def test_escape_sequences_show_as_text_and_sgr_colours_stay_colours():
+    text = safe_text("\x1b]0;title\x07 \x1b[2J\x1b[1;31mred\x1b[0m \x9b tab\t\x7f", style="bold")
+    assert text.plain == "^[]0;title^G ^[[2Jred <U+009B> tab\t^?"
+    assert isinstance(text, Text) and text.style == "bold"
+    [span] = text.spans
+    assert text.plain[span.start:span.end] == "red" and span.style.color.number == 1 and span.style.bold
+    assert safe_text("plain \x08").plain == "plain ^H"

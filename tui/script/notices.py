@@ -1,0 +1,36 @@
+"""What dptui says when a script ends about the DataParallel it did or did not see.
+
+Empty panels and exit 0 tell a user nothing: the usual reasons are a wrap that only happens on
+GPUs, an import that reaches torch's own class, or a class dptui does not record here (DDP).
+Each sentence is one line, for stderr and for a `notice` event.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+DDP = "torch.nn.parallel.DistributedDataParallel"
+
+
+def end_notices(built: Sequence[str], stepped: Collection[str], used: Collection[str], gpus: int,
+                completed: bool = True) -> list[str]:
+    """`built`: the DataParallel instances announced; `stepped`: those with a recorded step;
+    `used`: classes the child said it built unrecorded (wire `used`); `gpus`: CUDA devices here;
+    `completed`: the script ran to its end with status 0 (not stopped by dptui, not failed)."""
+    notices = []
+    if DDP in used:
+        notices.append(f"the script built {DDP}, which dptui records only in ranks it launches itself "
+                       "(dptui run --nproc-per-node N): its steps were not recorded")
+    if not completed:
+        return notices  # stopped or failed on the way: what it had not built yet tells nothing
+    idle = [key for key in built if key not in stepped]
+    if idle:
+        one = len(idle) == 1
+        notices.append(f"{', '.join(idle)} {'was' if one else 'were'} built but never stepped: dptui saw no "
+                       f"forward of {'it' if one else 'them'} finish, so none was recorded")
+    if not built and not used:
+        where = "without a GPU" if gpus == 0 else "with one GPU" if gpus == 1 else f"here ({gpus} GPUs)"
+        notices.append("the script built no torch.nn.DataParallel, so dptui recorded nothing: usually the "
+                       "wrap sits under a condition that is false " + where + " (if torch.cuda.device_count() > 1, "
+                       "if input.is_cuda), or the script imports DataParallel in a way dptui does not swap")
+    return notices
