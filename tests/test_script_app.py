@@ -124,7 +124,7 @@ async def test_after_the_script_exits_the_panels_keep_its_last_step_and_say_they
         assert "step 3: loss" in log  # the script's own lines, and no In Model / Outside of dptui's
         assert "In Model" not in log and "Outside" not in log
         # What dptui saw and did not: plain_loop.py builds a second DataParallel it never calls.
-        await until(lambda: "Tagged(Linear)@plain_loop.py:26 was built but never stepped" in log_text(app),
+        await until(lambda: "Tagged(Linear, 12 params)@plain_loop.py:29 was built but never stepped" in log_text(app),
                     what="the notice in the log")
         await press(app, "q")
         await until(lambda: not app.is_running, what="the app to exit")

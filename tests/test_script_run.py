@@ -73,11 +73,11 @@ def test_headless_passes_the_scripts_output_through_and_ends_with_the_summary_dp
     # stderr: the script's own, then dptui's: what it did not see, and the per-device summary.
     theirs, notice, *summary = done.stderr.splitlines()
     assert theirs == "to stderr"
-    assert notice.startswith("dptui: Tagged(Linear)@plain_loop.py:26 was built but never stepped")
+    assert notice.startswith("dptui: Tagged(Linear, 12 params)@plain_loop.py:29 was built but never stepped")
     view = subprocess.run([sys.executable, "-m", "tui.cli", "view", "--headless", str(log)],
                           capture_output=True, text=True, timeout=60)
     assert summary == view.stdout.splitlines()  # one table, whichever command prints it
-    assert summary[0] == "DataParallel(Linear)@plain_loop.py:22 · dptui run: 2 steps, finished, final loss –"
+    assert summary[0] == "DataParallel(Linear, 12 params)@plain_loop.py:23 · dptui run: 2 steps, finished, final loss –"
     assert [row.split()[:3] for row in summary[2:]] == [["cpu:0", "2", "10"], ["cpu:1", "2", "10"]]
 
 
