@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import threading
 import time
 import warnings
@@ -33,6 +34,21 @@ StepCallback = Callable[[StepRecord], None]
 # Per-step fields are plain attributes: set them past nn.Module.__setattr__, which is slow
 # and would end in object.__setattr__ for them anyway (none is a parameter, buffer or module).
 _set = object.__setattr__
+
+# The DataParallel forward running on this thread and its state, for torch.nn.parallel's
+# module-level functions called inside it (dpengine.functional): they record into its step.
+_running = threading.local()
+
+
+def running_forward() -> tuple[DataParallel, _ForwardState] | None:
+    """The DataParallel whose forward runs on this thread, with its forward's state; None outside one."""
+    return getattr(_running, "forward", None)
+
+
+def extends_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark a subclass's forward that calls DataParallel.forward itself: the base records it, as is."""
+    forward._dpengine_records = True
+    return forward
 
 
 class DataParallel(nn.Module):
@@ -154,6 +170,14 @@ class DataParallel(nn.Module):
         }
         return state
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        forward = cls.forward
+        if forward is not DataParallel.forward and not getattr(forward, "_dpengine_records", False):
+            # A forward of its own (Transformer-XL's BalancedDataParallel, PyTorch-Encoding's
+            # DataParallelCriterion) is recorded from the pieces it calls.
+            cls.forward = _recorded_by_pieces(forward)
+
     # -- configuration ---------------------------------------------------------
 
     def set_split(
@@ -233,6 +257,11 @@ class DataParallel(nn.Module):
         self._flush_pending()
         state = _ForwardState(time.perf_counter())
         self._check_module_device()
+        outer = self._forward_state
+        if outer is not None:
+            outer.base_ran = True  # an override called this: the step is recorded here
+        running = getattr(_running, "forward", None)
+        _running.forward = (self, state)
         _set(self, "_forward_state", state)
         try:
             args, kwargs_list = self.scatter(inputs, kwargs, self.device_ids)
@@ -252,6 +281,7 @@ class DataParallel(nn.Module):
                 output = self.gather(outputs, self.output_device)
             state.mark()  # gathered
         finally:
+            _running.forward = running
             _set(self, "_forward_state", None)
         if state.pending is not None:
             self._record_forward(state, (inputs, kwargs), args, kwargs_list, outputs, output)
@@ -270,10 +300,20 @@ class DataParallel(nn.Module):
         state = self._forward_state
         if state is not None:
             state.slots = slots if slots_of is None else [slots_of[s] for s in slots]
+            if state.by_pieces:
+                state.scattered = (args, kwargs_list)
+                state.marks["scatter"] = time.perf_counter()
         return args, kwargs_list
 
     def replicate(self, module: nn.Module, device_ids: Sequence[DeviceLike]) -> list[nn.Module]:
         """One replica of module per device, as torch's (non-leaf views of the parameters on CPU)."""
+        replicas = self._replicate(module, device_ids)
+        state = self._forward_state
+        if state is not None and state.by_pieces:
+            state.marks["replicate"] = time.perf_counter()
+        return replicas
+
+    def _replicate(self, module: nn.Module, device_ids: Sequence[DeviceLike]) -> list[nn.Module]:
         if self.src_device_obj.type == "cuda":
             return replicate(module, device_ids, detach=not torch.is_grad_enabled())
         plan = self._plan
@@ -285,12 +325,13 @@ class DataParallel(nn.Module):
         state = self._forward_state
         if state is None:
             return replicate_shared(module, len(device_ids), plan)
-        if type(self).parallel_apply is DataParallel.parallel_apply and plan.has_big:
+        if type(self).parallel_apply is DataParallel.parallel_apply and plan.has_big and not state.by_pieces:
             # The views are made in each replica's worker, right before its forward (see _bind);
             # by replica, for an override that passes on only some of them. Not for a model
             # whose gradients are all small: there the order only moves bytes, and making the
             # views in the worker costs the GIL hand-offs of an autograd Function's Python
             # among the replicas' threads (seed, 4 devices, quiet: a forward 410 -> 574 us).
+            # Not for a forward override either: it may run the replicas in threads of its own.
             binders: list[Any] = []
             replicas = replicate_shared(module, len(device_ids), plan, binders=binders)
             state.binders = {id(r): b for r, b in zip(replicas, binders) if b is not None}
@@ -300,26 +341,111 @@ class DataParallel(nn.Module):
     def parallel_apply(self, replicas: Sequence[nn.Module], inputs: Sequence[Any],
                        kwargs: Sequence[dict[str, Any]] | None) -> list[Any]:
         """Run replica i on inputs[i] and kwargs[i] in its device's persistent worker."""
-        state = self._forward_state
-        slots = state.slots if state is not None and state.slots is not None else range(len(replicas))
-        probes = state.probes if state is not None else None
-        if probes is not None and len(probes) != len(replicas):
-            probes = None
+        outputs = self._apply_in_step(self._forward_state, replicas, inputs, kwargs)
+        if outputs is None:  # more replicas than devices: torch would fail the same way
+            raise ValueError(f"{len(replicas)} replicas for {len(self.devices)} devices: give one replica per device")
+        return outputs
+
+    def _apply_in_step(self, state: _ForwardState | None, replicas: Sequence[nn.Module], inputs: Sequence[Any],
+                       kwargs: Sequence[dict[str, Any]] | None,
+                       devices: Sequence[DeviceLike | None] | None = None) -> list[Any] | None:
+        """The replicas run in this DataParallel's workers, measured for the step when they make it.
+
+        `devices`: where each replica runs, as a module-level parallel_apply names them; None: where
+        scatter put their inputs. None back if they are not devices of this DataParallel.
+        """
+        slots = self._apply_slots(state, len(replicas), devices)
+        if slots is None:
+            return None
         if kwargs is None:
             kwargs = [{}] * len(replicas)
         inputs = [a if isinstance(a, (list, tuple)) else (a,) for a in inputs]
+        if state is not None and state.by_pieces and state.pending is None and self.recording:
+            # A forward override: its step starts with the replicas it runs.
+            state.slots = slots
+            state.marks.setdefault("replicate", time.perf_counter())
+            self._start_step(state, inputs, kwargs)
+        probes = state.probes if state is not None and not state.measured else None
+        if probes is not None and len(probes) != len(replicas):
+            probes = None
         binders = None
         if state is not None and state.binders:
             binders = [state.binders.pop(id(r), None) for r in replicas]
             state.share_nodes = [None] * len(replicas)
-        outputs = self._parallel_apply(replicas, inputs, kwargs, list(slots), probes, binders)
-        if state is not None and probes is not None:
+        outputs = self._parallel_apply(replicas, inputs, kwargs, slots, probes, binders)
+        if probes is not None:
             state.measured = True
+            if state.by_pieces:
+                state.applied = (inputs, kwargs, outputs)
+                state.marks["apply"] = time.perf_counter()
         return outputs
+
+    def _apply_slots(self, state: _ForwardState | None, count: int,
+                     devices: Sequence[DeviceLike | None] | None) -> list[int] | None:
+        """The device slot each of `count` replicas runs in."""
+        if devices is not None and all(d is not None for d in devices):
+            parsed = [parse_device(d) for d in devices]
+            if not all(d in self.devices for d in parsed):
+                return None
+            return [self.devices.index(d) for d in parsed]
+        if state is not None and state.slots is not None and len(state.slots) == count:
+            return list(state.slots)
+        return list(range(count)) if count <= len(self.devices) else None
 
     def gather(self, outputs: Sequence[Any], output_device: DeviceLike) -> Any:
         """Concatenate the replicas' outputs on output_device, keeping their structure."""
-        return gather(outputs, parse_output_device(output_device), self.dim)
+        output = gather(outputs, parse_output_device(output_device), self.dim)
+        state = self._forward_state
+        if state is not None and state.by_pieces:
+            state.marks["gather"] = time.perf_counter()
+        return output
+
+    # -- a forward of a subclass's own, recorded from the pieces it calls --------------
+
+    def _forward_by_pieces(self, forward: Callable[..., Any], inputs: tuple, kwargs: dict[str, Any]) -> Any:
+        """Run an overriding forward; its step is what its scatter and parallel_apply did.
+
+        The pieces are this class's four methods or torch.nn.parallel's module-level functions
+        (dpengine.functional's): whichever it calls, they note into this forward's state. If it
+        calls DataParallel.forward itself, that records the step as usual.
+        """
+        running = getattr(_running, "forward", None)
+        if not self.devices or (running is not None and running[0] is self):
+            return forward(self, *inputs, **kwargs)  # nothing to split, or an override's super().forward()
+        self._flush_pending()
+        state = _ForwardState(time.perf_counter())
+        state.by_pieces = True
+        _running.forward = (self, state)
+        _set(self, "_forward_state", state)
+        try:
+            output = forward(self, *inputs, **kwargs)
+        finally:
+            _running.forward = running
+            _set(self, "_forward_state", None)
+        if not state.base_ran and self.recording:
+            self._record_pieces(state, inputs, kwargs, output)
+        return output
+
+    def _record_pieces(self, state: _ForwardState, inputs: tuple, kwargs: dict[str, Any], output: Any) -> None:
+        finished = time.perf_counter()
+        if state.applied is not None:
+            args, kwargs_list, outputs = state.applied
+        elif state.scattered is not None:
+            # It ran the replicas itself (DataParallelCriterion's threads): chunks as scattered, untimed.
+            args, kwargs_list = state.scattered
+            outputs = [None] * len(args)
+            self._start_step(state, args, kwargs_list)
+        else:
+            return  # nothing split: no step to show
+        marks = state.marks
+        started = state.times[0]
+        scattered = marks.get("scatter", started)
+        replicated = max(scattered, marks.get("replicate", scattered))
+        # Without a parallel_apply piece the override ran the replicas itself, up to its end.
+        applied = max(replicated, marks.get("apply", finished))
+        state.times = [started, scattered, replicated, applied, finished]
+        self._record_forward(state, (inputs, kwargs), args, kwargs_list, outputs, output,
+                             batch_size=sum(_rows(a, kw, self.dim) for a, kw in zip(args, kwargs_list)))
 
     def _slots_of(self, args: Sequence[Any], kwargs_list: Sequence[Any]) -> list[int]:
         """Device slots of inputs a scatter override made: where their tensors are (CUDA), else in order."""
@@ -353,7 +479,8 @@ class DataParallel(nn.Module):
             return self.module(*args, **kwargs)
         return state.probes[0].measure(self.module, args, kwargs)
 
-    def _record_forward(self, state: _ForwardState, inputs: Any, args, kwargs_list, outputs, output) -> None:
+    def _record_forward(self, state: _ForwardState, inputs: Any, args, kwargs_list, outputs, output,
+                        batch_size: int | None = None) -> None:
         """The forward's half of the step record (what each replica got and gave, the four spans)."""
         pending, probes = state.pending, state.probes
         started, scattered, replicated, applied, finished = state.times
@@ -370,8 +497,10 @@ class DataParallel(nn.Module):
                 probe.untimed(applied - replicated)
         self._saved_bytes.store(probes)
         input_shapes = shapes_of(inputs)
+        if batch_size is None:
+            batch_size = input_shapes[0][self.dim] if input_shapes and input_shapes[0] else 0
         pending.set_forward(
-            batch_size=input_shapes[0][self.dim] if input_shapes and input_shapes[0] else 0,
+            batch_size=batch_size,
             input_shapes=input_shapes,
             output_shapes=shapes_of(output),
             times=(scattered - started, replicated - scattered, applied - replicated,
@@ -476,9 +605,16 @@ class _ForwardState:
     """What the step methods of one forward tell each other (an override may skip any of them),
     and when each of them ended."""
 
-    __slots__ = ("slots", "probes", "pending", "measured", "share_nodes", "binders", "times")
+    __slots__ = ("slots", "probes", "pending", "measured", "share_nodes", "binders", "times",
+                 "by_pieces", "base_ran", "marks", "scattered", "applied")
 
     def __init__(self, started: float) -> None:
+        # A forward override's: when each piece it called ended, what it scattered and applied.
+        self.by_pieces = False
+        self.base_ran = False  # the override called DataParallel.forward, which recorded the step
+        self.marks: dict[str, float] = {}
+        self.scattered: tuple[list, list] | None = None
+        self.applied: tuple[list, list, list] | None = None
         # id(replica) -> the function that makes its parameter views, run in its worker
         self.binders: dict[int, Any] | None = None
         self.share_nodes: list[Any] = []  # each replica's SharedParameters node, from replicate
@@ -530,6 +666,21 @@ class _PendingStep:
             total_ms=total, backward_ms=backward_ms,
             split=split, split_weights=weights, balanced=balanced,
         )
+
+
+def _recorded_by_pieces(forward: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(forward)
+    def recorded(self: DataParallel, *inputs: Any, **kwargs: Any) -> Any:
+        return self._forward_by_pieces(forward, inputs, kwargs)
+
+    recorded._dpengine_records = True
+    return recorded
+
+
+def _rows(args: Any, kwargs: dict[str, Any], dim: int) -> int:
+    """Rows of a replica's first input along dim (0 without one)."""
+    tensors = tensors_of((args, kwargs))
+    return tensors[0].size(dim) if tensors and tensors[0].dim() > dim else 0
 
 
 # Per-process runtime (see DataParallel._start_runtime): never pickled or copied.

@@ -1,13 +1,17 @@
 """torch.nn.parallel's functions with torch's signatures, on CUDA and virtual CPU devices.
 
-For code that calls them directly rather than through a DataParallel module. Each call
-records nothing; parallel_apply keeps one pool of worker threads per device list.
+For code that calls them directly rather than through a DataParallel module. Called inside
+a DataParallel subclass's own forward (Transformer-XL's BalancedDataParallel calls
+parallel_apply with its device_ids), they count as that forward's pieces: parallel_apply
+runs the replicas in its workers and records them into its step. Elsewhere a call records
+nothing; parallel_apply keeps one pool of worker threads per device list.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
@@ -16,15 +20,18 @@ import torch
 from torch import nn
 from torch._utils import ExceptionWrapper
 
+from .data_parallel import running_forward
 from .devices import DeviceLike, default_devices, device_name, parse_device, parse_output_device
 from .instrument import tensors_of
 from .parallel_apply import ThreadState, WorkerPool, reraise, run_in_state
-from .replicate import replicate, replicate_shared
-from .scatter_gather import Split, scatter_kwargs
+from .replicate import replicate as _replicate
+from .replicate import replicate_shared
+from .scatter_gather import Split
+from .scatter_gather import scatter_kwargs as _scatter_kwargs
 from .scatter_gather import gather as _gather
 from .scatter_gather import scatter as _scatter
 
-__all__ = ["data_parallel", "gather", "parallel_apply", "replicate", "scatter"]
+__all__ = ["data_parallel", "gather", "parallel_apply", "replicate", "scatter", "scatter_kwargs"]
 
 _pools: dict[tuple[torch.device, ...], WorkerPool] = {}
 _pools_lock = threading.Lock()
@@ -38,14 +45,42 @@ def _pool(devices: tuple[torch.device, ...]) -> WorkerPool:
         return pool
 
 
+def piece_done(kind: str) -> None:
+    """Note when a piece ("scatter", "replicate", "gather") of a forward override ended, for its step's times."""
+    running = running_forward()
+    if running is not None and running[1].by_pieces:
+        running[1].marks[kind] = time.perf_counter()
+
+
 def scatter(inputs: Any, target_gpus: Sequence[DeviceLike], dim: int = 0) -> Any:
     """Cut `inputs` into one piece per device along `dim` (torch.chunk's rule)."""
-    return _scatter(inputs, [parse_device(d) for d in target_gpus], dim)
+    pieces = _scatter(inputs, [parse_device(d) for d in target_gpus], dim)
+    piece_done("scatter")
+    return pieces
+
+
+def scatter_kwargs(
+    inputs: tuple, kwargs: dict[str, Any] | None, target_gpus: Sequence[DeviceLike], dim: int = 0,
+) -> tuple[tuple, tuple]:
+    """torch's scatter_kwargs: per-device args and kwargs (scattered together, see scatter_gather)."""
+    devices = [parse_device(d) for d in target_gpus]
+    args, kwargs_list, _slots = _scatter_kwargs(inputs, kwargs, devices, Split(len(devices)), dim)
+    piece_done("scatter")
+    return tuple(args), tuple(kwargs_list)
+
+
+def replicate(network: nn.Module, devices: Sequence[DeviceLike], detach: bool = False) -> list[nn.Module]:
+    """One replica of `network` per device (views of its parameters on virtual CPU devices)."""
+    replicas = _replicate(network, devices, detach)
+    piece_done("replicate")
+    return replicas
 
 
 def gather(outputs: Sequence[Any], target_device: DeviceLike, dim: int = 0) -> Any:
     """Concatenate per-device outputs on `target_device` (-1 or "cpu" for the CPU), keeping structure."""
-    return _gather(outputs, parse_output_device(target_device), dim)
+    output = _gather(outputs, parse_output_device(target_device), dim)
+    piece_done("gather")
+    return output
 
 
 def parallel_apply(
@@ -54,7 +89,16 @@ def parallel_apply(
     kwargs_tup: Sequence[dict[str, Any]] | None = None,
     devices: Sequence[DeviceLike | None] | None = None,
 ) -> list[Any]:
-    """modules[i](*inputs[i], **kwargs_tup[i]) in device i's worker thread; outputs in order."""
+    """modules[i](*inputs[i], **kwargs_tup[i]) in device i's worker thread; outputs in order.
+
+    Inside a DataParallel's forward, on its devices: in its workers, recorded into its step.
+    """
+    running = running_forward()
+    if running is not None:
+        owner, state = running
+        outputs = owner._apply_in_step(state, modules, inputs, kwargs_tup, devices)
+        if outputs is not None:
+            return outputs
     return _parallel_apply(modules, inputs, kwargs_tup, devices)
 
 
@@ -128,12 +172,12 @@ def data_parallel(
                 f"(device_ids[0]) but found one of them on device: {tensor.device}"
             )
     target = devices[0] if output_device is None else parse_output_device(output_device)
-    args, kwargs_list, slots = scatter_kwargs(inputs, module_kwargs, devices, Split(len(devices)), dim)
+    args, kwargs_list, slots = _scatter_kwargs(inputs, module_kwargs, devices, Split(len(devices)), dim)
     if len(devices) == 1:
         return module(*args[0], **kwargs_list[0])
     used = [devices[s] for s in slots]
     if src.type == "cuda":
-        replicas, binders = replicate(module, used), None
+        replicas, binders = _replicate(module, used), None
     else:
         binders = []
         replicas = replicate_shared(module, len(used), binders=binders)

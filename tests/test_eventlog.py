@@ -312,3 +312,14 @@ def test_summary_per_device_over_the_whole_run():
     assert cpu0.forward_ms == pytest.approx(sum(s.record.replicas[0].forward_ms for s in steps) / 4)
     assert cpu0.peak_memory_bytes == max(s.record.replicas[0].memory_bytes for s in steps)
     assert by_device["cuda:1"].peak_memory_bytes == events[-1].record.replicas[1].peak_memory_bytes
+
+
+def test_the_summary_of_a_dptui_run_log_is_the_followed_instances():
+    # dptui run logs every instance's steps; run_started names the one the panels follow.
+    started, *steps = demo_events(DEVICES, epochs=1)[:1] + [
+        dataclasses.replace(step_event(n, 1, n, 3, 30, DEVICES), instance=name)
+        for n, name in ((1, "D"), (1, "G"), (2, "D"), (3, "D"))
+    ]
+    started = dataclasses.replace(started, config=dataclasses.replace(started.config, workload="D"))
+    by_device = {s.device: s for s in summarize([started, *steps])}
+    assert by_device["cpu:0"].chunks == 3  # G's step left out

@@ -64,7 +64,7 @@ async def test_run_mode_shows_replicas_and_output_and_steers_the_script():
     async with app.run_test(size=(120, 40)):
         await until(lambda: '{"child"' in log_text(app), what="the script's stdout in the log")
         await until(lambda: active_chunks(app) == [6, 6], what="chunks 6/6")
-        assert status(app).startswith("endless.py │ DataParallel(Linear)@endless.py:21 │ batch 12 │ step ")
+        assert status(app).startswith("endless.py │ DataParallel(Linear, 12 params)@endless.py:21 │ batch 12 │ step ")
         pids = json.loads(next(line for line in log_text(app).splitlines() if line.startswith('{"child"')))
 
         await press(app, "space")
@@ -124,7 +124,7 @@ async def test_after_the_script_exits_the_panels_keep_its_last_step_and_say_they
         assert "step 3: loss" in log  # the script's own lines, and no In Model / Outside of dptui's
         assert "In Model" not in log and "Outside" not in log
         # What dptui saw and did not: plain_loop.py builds a second DataParallel it never calls.
-        await until(lambda: "Tagged(Linear)@plain_loop.py:26 was built but never stepped" in log_text(app),
+        await until(lambda: "Tagged(Linear, 12 params)@plain_loop.py:29 was built but never stepped" in log_text(app),
                     what="the notice in the log")
         await press(app, "q")
         await until(lambda: not app.is_running, what="the app to exit")
@@ -171,11 +171,11 @@ async def test_i_switches_the_panels_between_the_scripts_dataparallel_objects():
         # The panels follow the first DataParallel whose step finished: the discriminator's
         # backward ends its step, the generator's (no backward) ends at its next forward.
         await until(lambda: active_chunks(app) == [3, 3], what="the discriminator's chunks")
-        assert "DataParallel(Sequential)@two_models.py:9" in status(app)
+        assert "DataParallel(Sequential, 5 params)@two_models.py:9" in status(app)
         await until(lambda: "DataParallel #2" in log_text(app), what="the second DataParallel")
         await press(app, "i")
         await until(lambda: active_chunks(app) == [4, 4], what="the generator's chunks")
-        assert "DataParallel(Linear)@two_models.py:8" in status(app)
+        assert "DataParallel(Linear, 20 params)@two_models.py:8" in status(app)
         await press(app, "q")
         await until(lambda: not app.is_running, what="the app to exit")
     assert app.run_.wait(30)

@@ -73,11 +73,11 @@ def test_headless_passes_the_scripts_output_through_and_ends_with_the_summary_dp
     # stderr: the script's own, then dptui's: what it did not see, and the per-device summary.
     theirs, notice, *summary = done.stderr.splitlines()
     assert theirs == "to stderr"
-    assert notice.startswith("dptui: Tagged(Linear)@plain_loop.py:26 was built but never stepped")
+    assert notice.startswith("dptui: Tagged(Linear, 12 params)@plain_loop.py:29 was built but never stepped")
     view = subprocess.run([sys.executable, "-m", "tui.cli", "view", "--headless", str(log)],
                           capture_output=True, text=True, timeout=60)
     assert summary == view.stdout.splitlines()  # one table, whichever command prints it
-    assert summary[0] == "DataParallel(Linear)@plain_loop.py:22 · dptui run: 2 steps, finished, final loss –"
+    assert summary[0] == "DataParallel(Linear, 12 params)@plain_loop.py:23 · dptui run: 2 steps, finished, final loss –"
     assert [row.split()[:3] for row in summary[2:]] == [["cpu:0", "2", "10"], ["cpu:1", "2", "10"]]
 
 
@@ -175,9 +175,15 @@ def test_instances_are_told_apart_and_a_rebuilt_one_is_not_new(tmp_path):
     assert done.returncode == 0, done.stderr
     events = json_events(log.read_text())
     seen = [e["instance"] for e in of_type(events, "dataparallel")]
-    assert seen == ["DataParallel(Linear)@instances.py:9", "DataParallel(Linear)@instances.py:11"]
-    # The panels follow the first DataParallel that stepped: three epochs of the rebuilt model.
-    assert [s["step"] for s in of_type(events, "step")] == [1, 1, 1]
+    # Keyed by the module and the line: the model rebuilt every epoch is one instance, the two
+    # models one helper wraps are two (numbered: their labels would read the same).
+    helper = "DataParallel(Linear, 12 params)@instances.py:19"
+    assert seen == ["DataParallel(Linear, 12 params)@instances.py:10",
+                    "DataParallel(Linear, 12 params)@instances.py:12", helper, f"{helper} #2"]
+    steps = [(s["instance"], s["step"], s["batch_size"]) for s in of_type(events, "step")]
+    assert steps == [(seen[1], 1, 8), (seen[0], 1, 8), (seen[1], 2, 8), (seen[0], 2, 8), (seen[1], 3, 8),
+                     (seen[0], 3, 8), (helper, 1, 4), (f"{helper} #2", 1, 6)]
+    # The panels follow the first DataParallel that stepped.
     assert of_type(events, "run_started")[0]["config"]["workload"] == seen[1]
 
 
@@ -420,3 +426,12 @@ def test_if_dptui_is_killed_the_lifeline_ends_the_script_and_its_children():
     run.proc.kill()
     run.proc.wait(timeout=10)
     run.assert_all_gone()
+
+
+def test_if_dptui_is_killed_while_the_script_holds_the_gil_the_group_still_ends_within_seconds():
+    # No Python thread of the script can run (it lived 50 s): the parent-death signal ends the
+    # script, the keeper process the grandchild that ignores SIGTERM.
+    run = Started(script("holds_gil.py"))
+    run.proc.kill()
+    run.proc.wait(timeout=10)
+    wait_for(lambda: gone(run.pids["child"]) and gone(run.pids["grandchild"]), "the group to be gone", timeout=15)

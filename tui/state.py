@@ -188,6 +188,9 @@ class RunView:
         self._event(text.started_log_line(config) if line is None else line)
 
     def _on_step(self, event: StepFinished) -> None:
+        config = self._config
+        if event.instance is not None and config is not None and event.instance != config.workload:
+            return  # `dptui run`: another DataParallel of the script than the one the panels follow
         self._last_step = event
         self._loss_history.append(event.loss)
         self._throughput_history.append(event.samples_per_s)

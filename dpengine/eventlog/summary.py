@@ -57,14 +57,18 @@ class RunSummary:
         self.end: RunFinished | RunFailed | None = None  # the last end
         self.steps = 0
         self._devices: dict[str, _Device] = {}
+        self._following: str | None = None  # `dptui run`: the instance the panels follow
 
     def feed(self, event: object) -> None:
         if isinstance(event, StepFinished):
+            if event.instance is not None and event.instance != self._following:
+                return  # another DataParallel of the script than the one its run_started names
             self.steps += 1
             for replica in event.record.replicas:
                 self._add(replica)
         elif isinstance(event, RunStarted):
             self.started = self.started or event
+            self._following = event.config.workload
         elif isinstance(event, (RunFinished, RunFailed)):
             self.end = event
 

@@ -22,6 +22,18 @@ def _take_env(name: str) -> str:
     return value
 
 
+def _stay_with_dptui() -> None:
+    """First of all: die with dptui (the parent-death signal), and fork the keeper that ends the
+    script's whole group if dptui goes (keeper.py); before any thread of ours exists."""
+    from . import wire
+    from .keeper import die_with_parent, start_keeper
+
+    die_with_parent(int(_take_env(wire.PARENT_PID)))
+    lifeline = int(_take_env(wire.LIFELINE_FD))
+    os.set_inheritable(lifeline, False)
+    start_keeper(lifeline)
+
+
 def _connect() -> None:
     from . import unrecorded, wire
     from .link import ParentLink
@@ -62,6 +74,7 @@ def main() -> None:
     argv = sys.argv[1:]
     if not argv or argv == ["-m"]:
         sys.exit("usage: python -m dpengine.script.bootstrap (PATH | -m MODULE) [ARGS...]")
+    _stay_with_dptui()
     _connect()
     try:
         _run(argv)

@@ -1,9 +1,10 @@
 """The child's end of the private pipes: a sender that never stalls the script, and a control thread.
 
-Training threads only append to bounded queues under a lock; a daemon thread turns records
-into JSON and writes them. When dptui falls behind, steps beyond the queue are coalesced to
-the newest per DataParallel. The control pipe is also the lifeline: its EOF means dptui died,
-and the script's whole process group is ended.
+Training threads only append to a queue under a lock; a daemon thread turns records into
+JSON and writes them. Every step is sent: dptui's log and --json get them all (only its screen
+coalesces). The queue holds MAX_QUEUED_STEPS; past that, while dptui is that far behind, steps
+are dropped and counted per DataParallel instance, and a `dropped` message says how many.
+dptui's requests (pause, devices) come over the control pipe.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import threading
 import time
 import weakref
@@ -19,30 +19,27 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-import psutil
-
 from ..eventlog.events import StepFinished, to_json_dict
 from ..records import StepRecord
 
-MAX_QUEUED_STEPS = 256
+MAX_QUEUED_STEPS = 32_768  # a few seconds of the fastest scripts; about 1 KiB each
+SEND_AT_ONCE = 512  # items per write: the queue's lock is never held for long
 FLUSH_AT_EXIT_S = 2.0
-LIFELINE_GRACE_S = 3.0
 
 
 class ParentLink:
     def __init__(
         self, events_fd: int, control_fd: int, devices: tuple[str, ...],
-        on_parent_gone: Callable[[], None] | None = None,
     ) -> None:
         self.devices = devices  # what device_ids=None means in this run
-        self._on_parent_gone = on_parent_gone or _end_process_group
         self._events_fd = events_fd
         self._control_fd = control_fd
         self._cond = threading.Condition()
-        self._messages: deque[dict[str, Any]] = deque()  # rare ones: never dropped
-        self._steps: deque[tuple[str, StepRecord, float]] = deque()
-        self._coalesced: dict[str, tuple[str, StepRecord, float]] = {}
-        self._dropped = 0
+        # Messages (dicts, never dropped) and steps (tuples), in the order they were posted.
+        self._queue: deque[dict[str, Any] | tuple[str, int, StepRecord, float]] = deque()
+        self._queued_steps = 0
+        self._posted: dict[str, int] = {}  # steps posted per instance: the `step` number each is sent with
+        self._dropped: dict[str, int] = {}  # per instance, steps dropped since the last `dropped` message
         self._writing = False  # taken from the queues, not yet in the pipe
         self._broken = False
         self._started = time.monotonic()
@@ -64,23 +61,26 @@ class ParentLink:
 
     def post(self, message: dict[str, Any]) -> None:
         with self._cond:
-            self._messages.append(message)
+            self._queue.append(message)
             self._cond.notify()
 
-    def announce(self, instance: str, devices: list[str]) -> None:
-        """A DataParallel was built; said once per instance key (one rebuilt every step is not news)."""
+    def announce(self, instance: str, devices: list[str], copy_of: str | None = None) -> None:
+        """A DataParallel was built; said once per instance (one rebuilt every step is not news)."""
         if instance not in self._announced:
             self._announced.add(instance)
-            self.post({"type": "dp_created", "instance": instance, "name": instance, "devices": devices})
+            self.post({"type": "dp_created", "instance": instance, "name": instance, "devices": devices,
+                       "copy_of": copy_of})
 
     def post_step(self, instance: str, record: StepRecord) -> None:
-        item = (instance, record, time.monotonic())
+        """Queue a finished step of `instance`; never waits (past MAX_QUEUED_STEPS it is counted as dropped)."""
+        at = time.monotonic()
         with self._cond:
-            if len(self._steps) < MAX_QUEUED_STEPS:
-                self._steps.append(item)
+            number = self._posted[instance] = self._posted.get(instance, 0) + 1
+            if self._queued_steps < MAX_QUEUED_STEPS:
+                self._queue.append((instance, number, record, at))
+                self._queued_steps += 1
             else:
-                self._coalesced[instance] = item
-                self._dropped += 1
+                self._dropped[instance] = self._dropped.get(instance, 0) + 1
             self._cond.notify()
 
     def watch_threads(self, instance: str, thread_ids: Callable[[], dict[str, int]]) -> None:
@@ -99,10 +99,18 @@ class ParentLink:
         self.post({"type": "state", "state": "running", "request": self._state_request})
 
     def flush(self, timeout: float = FLUSH_AT_EXIT_S) -> None:
-        """Wait (bounded) until everything queued is written: the last steps of a script that ends."""
+        """Wait until everything queued is written: the last steps of a script that ends.
+
+        As long as dptui keeps reading, however much is queued; `timeout` seconds without a write
+        (dptui stuck) and the rest is left.
+        """
         deadline = time.monotonic() + timeout
         with self._cond:
-            while (self._writing or self._messages or self._steps or self._coalesced) and not self._broken:
+            left_before = len(self._queue)
+            while (self._writing or self._queue or self._dropped) and not self._broken:
+                if len(self._queue) < left_before:  # dptui is reading: give it the time it takes
+                    left_before = len(self._queue)
+                    deadline = time.monotonic() + timeout
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return
@@ -113,21 +121,17 @@ class ParentLink:
     def _send_loop(self) -> None:
         while True:
             with self._cond:
-                while not (self._messages or self._steps or self._coalesced):
+                while not (self._queue or self._dropped):
                     self._cond.wait()
-                messages = list(self._messages)
-                steps = list(self._steps) + list(self._coalesced.values())
-                dropped = self._dropped
-                self._messages.clear()
-                self._steps.clear()
-                self._coalesced.clear()
-                self._dropped = 0
+                items = [self._queue.popleft() for _ in range(min(len(self._queue), SEND_AT_ONCE))]
+                self._queued_steps -= sum(1 for item in items if isinstance(item, tuple))
+                dropped, self._dropped = self._dropped, {}
                 self._writing = True
-            lines = [json.dumps(m, separators=(",", ":")) for m in messages]
-            lines += [self._step_line(*item) for item in steps]
+            lines = [json.dumps(item, separators=(",", ":")) if isinstance(item, dict) else self._step_line(*item)
+                     for item in items]
             lines += self._thread_lines()
-            if dropped:
-                lines.append(json.dumps({"type": "coalesced", "steps": dropped}))
+            lines += [json.dumps({"type": "dropped", "instance": instance, "steps": count}, separators=(",", ":"))
+                      for instance, count in dropped.items()]
             try:
                 _write_all(self._events_fd, ("\n".join(lines) + "\n").encode())
             except OSError:  # dptui is gone: the lifeline ends us; stop trying meanwhile
@@ -139,7 +143,7 @@ class ParentLink:
                 self._writing = False
                 self._cond.notify_all()  # flush() waits for all of it to be written
 
-    def _step_line(self, instance: str, record: StepRecord, at: float) -> str:
+    def _step_line(self, instance: str, number: int, record: StepRecord, at: float) -> str:
         previous = self._last_finished.get(instance)
         self._last_finished[instance] = at
         if previous is not None and at > previous:
@@ -148,14 +152,14 @@ class ParentLink:
             spent_ms = record.total_ms + (record.backward_ms or 0.0)
             rate = record.batch_size / (spent_ms / 1000.0) if spent_ms > 0 else 0.0
         event = StepFinished(
-            epoch=0, step=record.step, step_in_epoch=record.step, steps_in_epoch=0,
+            epoch=0, step=number, step_in_epoch=number, steps_in_epoch=0,
             batch_size=record.batch_size,
             input_shape=record.input_shapes[0] if record.input_shapes else (),
             output_shape=record.output_shapes[0] if record.output_shapes else (),
             loss=math.nan,  # the script's loss is its own business
-            samples_per_s=rate, record=record, seconds=at - self._started,
+            samples_per_s=rate, record=record, seconds=at - self._started, instance=instance,
         )
-        return json.dumps({**to_json_dict(event), "instance": instance}, separators=(",", ":"))
+        return json.dumps(to_json_dict(event), separators=(",", ":"))
 
     def _thread_lines(self) -> list[str]:
         lines = []
@@ -167,9 +171,10 @@ class ParentLink:
                 lines.append(json.dumps({"type": "threads", "instance": instance, "threads": threads}))
         return lines
 
-    # -- control and lifeline --------------------------------------------------------
+    # -- control ---------------------------------------------------------------------
 
     def _control_loop(self) -> None:
+        # Its EOF means dptui is gone: the keeper (keeper.py), not this thread, ends the group.
         with os.fdopen(self._control_fd, "rb", buffering=0) as pipe:
             buffer = b""
             while chunk := pipe.read(4096):
@@ -177,7 +182,6 @@ class ParentLink:
                 *lines, buffer = buffer.split(b"\n")
                 for line in lines:
                     self._apply(json.loads(line))
-        self._on_parent_gone()
 
     def _apply(self, message: dict[str, Any]) -> None:
         op = message.get("op")
@@ -196,30 +200,3 @@ def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
-
-
-def _end_process_group() -> None:
-    """dptui died (even by SIGKILL): take the script and everything it started down with it."""
-    if os.getpgrp() != os.getpid():
-        os._exit(137)  # not a group leader: never signal a group that is not ours
-    # SIGTERM to the others first: sent to the whole group it would end this process too,
-    # before the SIGKILL for those that ignore it.
-    for pid in _group_members(os.getpid()):
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-    time.sleep(LIFELINE_GRACE_S)
-    os.killpg(os.getpid(), signal.SIGKILL)
-
-
-def _group_members(pgid: int) -> list[int]:
-    """The other processes in process group `pgid`."""
-    members = []
-    for pid in psutil.pids():
-        try:
-            if pid != os.getpid() and os.getpgid(pid) == pgid:
-                members.append(pid)
-        except (ProcessLookupError, PermissionError):
-            continue
-    return members

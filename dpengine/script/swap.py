@@ -1,31 +1,43 @@
 """The DataParallel a script sees under `dptui run`, and the swap of torch's names for it.
 
 It is dpengine's DataParallel (same signature, `module`, `module.` state_dict prefix) that
-also reports to dptui, pauses at a forward on request and moves to other devices.
+also reports to dptui, pauses at a forward on request and moves to other devices. Every way
+a script reaches torch's DataParallel leads here: `torch.nn.DataParallel`,
+`torch.nn.parallel.DataParallel`, `from torch.nn.parallel.data_parallel import DataParallel`
+(the submodule, which the package's `data_parallel` function shadows as an attribute) and the
+functional `torch.nn.parallel.data_parallel(module, inputs, ...)`. Subclasses that override
+forward() are recorded from the pieces they call (dpengine.data_parallel) and pause and follow
+device changes like the class; torch's pieces themselves work on virtual devices (torch_pieces).
 """
 
 from __future__ import annotations
 
 import copyreg
-import os
+import functools
 import sys
+import threading
 from typing import Any
 
 import torch
-import torch.nn.parallel.data_parallel
 
 from ..data_parallel import DataParallel as EngineDataParallel
+from ..data_parallel import extends_forward
 from ..devices import device_name, resolve_devices
+from . import torch_pieces
+from .instances import Instances, call_site
 from .link import ParentLink
 
 _link: ParentLink | None = None
-_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # dpengine/
-_TORCH = os.path.dirname(os.path.abspath(torch.__file__))
+_instances = Instances()
+_gating = threading.local()  # .dp: the DataParallel whose overriding forward passed the gate on this thread
+
+_SUBMODULE = "torch.nn.parallel.data_parallel"
 
 
 class DataParallel(EngineDataParallel):
     """torch.nn.DataParallel under `dptui run`: `device_ids=None` means dptui's --devices."""
 
+    _dptui_kind: str | None = None  # how the label names it; None: the class's name
     # Named as the class it stands in for: a pickle names torch's class, which is this one
     # under `dptui run` and torch's own without dptui (see __reduce_ex__).
     __module__ = "torch.nn.parallel.data_parallel"
@@ -36,16 +48,38 @@ class DataParallel(EngineDataParallel):
             device_ids = list(link.devices)
         super().__init__(module, device_ids, output_device, dim, **kwargs)
         object.__setattr__(self, "_dptui_control", link.control_version if link else 0)
+        if link is not None:
+            object.__setattr__(self, "_dptui_site", call_site(skip_self=self))
+            self._dptui_attach(link, _instances.label(self._dptui_name(), module, self._dptui_site))
+
+    def _dptui_name(self) -> str:
+        return self._dptui_kind or type(self).__qualname__
+
+    def _dptui_attach(self, link: ParentLink, label: str, copy_of: str | None = None) -> None:
+        object.__setattr__(self, "_dptui_key", label)
+        link.announce(label, [device_name(d) for d in self.devices], copy_of=copy_of)
+        self.subscribe(self._dptui_post_step)  # posts under this object's own label (a copy: the copy's)
+        link.watch_threads(label, self.worker_thread_ids)
+
+    def _dptui_post_step(self, record) -> None:
+        link = _link
+        if link is not None:
+            link.post_step(self._dptui_key, record)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A deepcopy (an EMA model) or an unpickled one: an instance of its own, with its own steps.
+        super().__setstate__(state)
+        link, original = _link, state.get("_dptui_key")
+        if "_dptui_control" not in self.__dict__:
+            object.__setattr__(self, "_dptui_control", link.control_version if link else 0)
         if link is None:
             return
-        # Keyed by class, wrapped model and where it was built: a DataParallel rebuilt
-        # every epoch at the same line is the same panel set, an EMA copy is another.
-        site = _creation_site(self)
-        key = f"{type(self).__qualname__}({type(module).__qualname__})@{site}"
-        object.__setattr__(self, "_dptui_key", key)
-        link.announce(key, [device_name(d) for d in self.devices])
-        self.subscribe(lambda record, key=key: link.post_step(key, record))
-        link.watch_threads(key, self.worker_thread_ids)
+        if original is not None:
+            self._dptui_attach(link, _instances.copy_label(original, self.module), copy_of=original)
+        else:  # loaded from a file (torch.load, pickle.loads): where it was loaded is its site
+            site = call_site()
+            object.__setattr__(self, "_dptui_site", site)
+            self._dptui_attach(link, _instances.label(self._dptui_name(), self.module, site))
 
     def __reduce_ex__(self, protocol: int) -> tuple:
         """Pickle (pickle.dumps, torch.save) as torch's DataParallel, so the file loads without dptui.
@@ -62,18 +96,25 @@ class DataParallel(EngineDataParallel):
         # Not copyreg.__newobj__: pickle refuses it for a class other than type(self).
         return copyreg._reconstructor, (cls, object, None), state
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        if "_dptui_control" not in self.__dict__:  # unpickled from torch's form
-            object.__setattr__(self, "_dptui_control", 0)
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        forward = cls.forward
+        if forward is not DataParallel.forward and not getattr(forward, "_dptui_gated", False):
+            cls.forward = _gated(forward)  # pause and device changes reach an override too
 
+    @extends_forward
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if getattr(_gating, "dp", None) is not self:  # an override calling super().forward() passed it
+            self._dptui_gate()
+        return super().forward(*inputs, **kwargs)
+
+    def _dptui_gate(self) -> None:
+        """Where a pause takes effect and device changes apply: before each forward."""
         link = _link
         if link is not None:
             link.wait_while_paused()
             if link.control_version != self._dptui_control:
                 self._follow_devices(link)
-        return super().forward(*inputs, **kwargs)
 
     def _follow_devices(self, link: ParentLink) -> None:
         object.__setattr__(self, "_dptui_control", link.control_version)
@@ -91,21 +132,67 @@ class DataParallel(EngineDataParallel):
                    "devices": list(target), "step": self._step + 1, "request": request})
 
 
-def _creation_site(dp: DataParallel) -> str:
-    """file:line of the user's code that built `dp` (past a subclass's own __init__)."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        path = os.path.abspath(frame.f_code.co_filename)
-        if not path.startswith((_HERE, _TORCH)) and frame.f_locals.get("self") is not dp:
-            return f"{os.path.basename(path)}:{frame.f_lineno}"
-        frame = frame.f_back
-    return "?"
+def _gated(forward):
+    """A subclass's own forward, behind the gate: once per call, however many overrides it passes."""
+
+    @functools.wraps(forward)
+    def gated(self: DataParallel, *inputs: Any, **kwargs: Any) -> Any:
+        outer = getattr(_gating, "dp", None)
+        if outer is self:
+            return forward(self, *inputs, **kwargs)
+        self._dptui_gate()
+        _gating.dp = self
+        try:
+            return forward(self, *inputs, **kwargs)
+        finally:
+            _gating.dp = outer
+
+    gated._dptui_gated = True
+    return gated
+
+
+class _Functional(DataParallel):
+    """What `torch.nn.parallel.data_parallel(...)` runs through under `dptui run`."""
+
+    _dptui_kind = "data_parallel"
+
+
+# Per call site, the DataParallel objects of its latest calls, newest last: one per wrapped
+# module (and devices, dim), so that its steps are one instance's and its workers persist.
+_functional: dict[str, list[_Functional]] = {}
+_functional_lock = threading.Lock()
+FUNCTIONAL_PER_SITE = 4
+
+
+def data_parallel(module: torch.nn.Module, inputs: Any, device_ids=None, output_device=None, dim: int = 0,
+                  module_kwargs: dict[str, Any] | None = None) -> Any:
+    """torch.nn.parallel.data_parallel, recorded like the class: device_ids=None means --devices."""
+    if not isinstance(inputs, tuple):
+        inputs = (inputs,) if inputs is not None else ()
+    site = call_site()
+    wanted = (None if device_ids is None else tuple(device_ids), output_device, dim)
+    with _functional_lock:
+        recent = _functional.setdefault(site, [])
+        dp = next((d for d in recent if d.module is module and d._dptui_call == wanted), None)
+        if dp is not None:
+            recent.remove(dp)
+    if dp is None:
+        dp = _Functional(module, None if device_ids is None else list(device_ids), output_device, dim)
+        object.__setattr__(dp, "_dptui_call", wanted)
+    with _functional_lock:
+        recent.append(dp)
+        del recent[:-FUNCTIONAL_PER_SITE]
+    return dp(*inputs, **(module_kwargs or {}))
 
 
 def install(link: ParentLink) -> None:
-    """Bind torch's three names to the recording class, before the script imports anything."""
+    """Bind torch's names to the recording ones, before the script imports anything."""
     global _link
     _link = link
+    submodule = sys.modules[_SUBMODULE]  # torch.nn.parallel.data_parallel as an attribute is the function
     torch.nn.DataParallel = DataParallel
     torch.nn.parallel.DataParallel = DataParallel
-    torch.nn.parallel.data_parallel.DataParallel = DataParallel
+    submodule.DataParallel = DataParallel
+    submodule.data_parallel = data_parallel
+    torch.nn.parallel.data_parallel = data_parallel
+    torch_pieces.install()

@@ -25,9 +25,18 @@ class ScriptOutput:
 class DataParallelSeen:
     """A DataParallel the script built that dptui had not seen (rebuilt ones are not news)."""
 
-    instance: str  # "DataParallel(Net)@train.py:42": class, wrapped model, where it was built
+    instance: str  # "DataParallel(Net, 1.2k params)@train.py:42": class, wrapped model, where it was built
     devices: tuple[str, ...]
     count: int  # DataParallel objects told apart so far
+    copy_of: str | None = None  # the instance it is a deepcopy of (an EMA model), if it is one
+
+
+@dataclass(frozen=True, slots=True)
+class StepsDropped:
+    """Steps of an instance that never reached dptui: it fell further behind than the script's queue holds."""
+
+    instance: str
+    steps: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,9 +53,9 @@ class ScriptExited:
 
 
 _TYPES = {ScriptStarted: "script_started", ScriptOutput: "output", ScriptNotice: "notice",
-          DataParallelSeen: "dataparallel", ScriptExited: "script_exited"}
+          DataParallelSeen: "dataparallel", StepsDropped: "dropped", ScriptExited: "script_exited"}
 
-ScriptEvent = ScriptStarted | ScriptOutput | ScriptNotice | DataParallelSeen | ScriptExited
+ScriptEvent = ScriptStarted | ScriptOutput | ScriptNotice | DataParallelSeen | StepsDropped | ScriptExited
 
 
 def to_json(event: Event | ScriptEvent) -> dict[str, Any]:

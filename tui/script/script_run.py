@@ -2,8 +2,10 @@
 
 The program runs in a child process (same interpreter, its own session, so its DataLoader
 workers and subprocesses share one process group that dptui signals as a whole). Records
-come over a private pipe, never its stdout/stderr; controls go back over another pipe,
-whose EOF tells the child that dptui is gone.
+come over a private pipe, never its stdout/stderr; controls go back over another pipe. A
+third, never written, is the lifeline: its EOF tells the child's keeper that dptui is gone
+(dpengine/script/keeper.py), and the child is started from a thread that lives as long as
+dptui (spawner.py), for its parent-death signal.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from dpengine.eventlog.reader import EventLogError, decode_step
 from dpengine.run.protocol import BALANCE, BATCH_SIZE, DEVICES, PAUSE, ControlUnsupported
 from dpengine.script import wire
 
-from .events import DataParallelSeen, ScriptExited, ScriptNotice, ScriptOutput, ScriptStarted
+from . import spawner
+from .events import DataParallelSeen, ScriptExited, ScriptNotice, ScriptOutput, ScriptStarted, StepsDropped
 from .notices import end_notices
 from .output_lines import OutputLines
 
@@ -87,6 +90,7 @@ class ScriptRun(Publisher):
         self._proc: subprocess.Popen | None = None
         self._events_r = -1
         self._control_w: int | None = None
+        self._lifeline_w: int | None = None
         self._stopping = False
         self._hurry = threading.Event()  # a second stop: cut the grace periods short
         self._done = threading.Event()
@@ -98,7 +102,7 @@ class ScriptRun(Publisher):
         self._threads: dict[str, dict[str, int]] = {}  # per instance: device -> native thread id
         self._stepped: set[str] = set()  # instances with a step recorded
         self._used: list[str] = []  # classes the child built and does not record (wire `used`)
-        self._steps = self._samples = self._coalesced = 0
+        self._steps = self._samples = 0
         self._requests = 0  # numbered as a Trainer numbers them; the child's events carry them back
         self.exit_code: int | None = None
 
@@ -197,28 +201,32 @@ class ScriptRun(Publisher):
     def _start(self) -> None:
         events_r, events_w = os.pipe()
         control_r, control_w = os.pipe()
+        lifeline_r, lifeline_w = os.pipe()  # never written: its EOF tells the child's keeper dptui is gone
         env = dict(os.environ)
         env[wire.EVENTS_FD] = str(events_w)
         env[wire.CONTROL_FD] = str(control_r)
+        env[wire.LIFELINE_FD] = str(lifeline_r)
+        env[wire.PARENT_PID] = str(os.getpid())
         env[wire.DEVICES] = ",".join(self._devices_arg)
         if self._capture:
             env["PYTHONUNBUFFERED"] = "1"  # lines as they are printed, not in 8 KiB blocks
         pipe = subprocess.PIPE if self._capture else None
         try:
-            self._proc = subprocess.Popen(
-                self.target.bootstrap_argv(), env=env, pass_fds=(events_w, control_r),
+            self._proc = spawner.popen(
+                self.target.bootstrap_argv(), env=env, pass_fds=(events_w, control_r, lifeline_r),
                 stdin=subprocess.DEVNULL if self._capture else None, stdout=pipe, stderr=pipe,
                 start_new_session=True,
             )
         except BaseException:
-            os.close(events_r)
-            os.close(control_w)
+            for fd in (events_r, control_w, lifeline_w):
+                os.close(fd)
             raise
         finally:
-            os.close(events_w)  # the child's ends: ours would keep the pipes open after it exits
-            os.close(control_r)
+            for fd in (events_w, control_r, lifeline_r):  # the child's ends: ours would keep the pipes open
+                os.close(fd)
         self._events_r = events_r
         self._control_w = control_w
+        self._lifeline_w = lifeline_w
         self._started_at = time.monotonic()
         self._publish(ScriptStarted(argv=(self.target.program, *self.target.args), pid=self._proc.pid))
 
@@ -274,15 +282,14 @@ class ScriptRun(Publisher):
         instance = body.get("instance", "")
         if kind == "dp_created" and instance not in self._seen:
             self._seen[instance] = tuple(body["devices"])
-            self._publish(DataParallelSeen(instance, tuple(body["devices"]), len(self._seen)))
+            self._publish(DataParallelSeen(instance, tuple(body["devices"]), len(self._seen), body.get("copy_of")))
         elif kind == "used" and body.get("what") not in self._used:
             self._used.append(str(body.get("what")))
         elif kind == "step":
             self._stepped.add(instance)
             if self._shown is None:
                 self._shown = instance
-            if instance == self._shown:
-                self._on_step(body)
+            self._on_step(body)
         elif kind == "threads":
             self._threads[instance] = {str(k): int(v) for k, v in body["threads"].items()}
         elif kind == "state":
@@ -291,15 +298,16 @@ class ScriptRun(Publisher):
             self._devices = tuple(body["devices"])
             batch = self._config.batch_size if self._config else 0
             self._publish(ConfigChanged(batch, self._devices, int(body["step"]), body.get("request")))
-        elif kind == "coalesced":
-            self._coalesced += int(body["steps"])
+        elif kind == "dropped":
+            self._publish(StepsDropped(instance, int(body["steps"])))
 
     def _on_step(self, body: dict[str, Any]) -> None:
+        """Every instance's steps go out (the log and --json keep them all); the panels take the shown one's."""
         try:
             event = decode_step(body)
         except EventLogError:
             return  # a damaged record: the screen goes on with the next
-        if self._config is None:
+        if self._config is None and event.instance == self._shown:
             self._devices = event.record.devices
             self._config = self._run_config(event.batch_size)
             self._publish(RunStarted(self._config))
@@ -394,6 +402,8 @@ class ScriptRun(Publisher):
 
     def _close_control(self) -> None:
         with self._lock:
-            fd, self._control_w = self._control_w, None
-        if fd is not None:
-            os.close(fd)
+            fds = (self._control_w, self._lifeline_w)
+            self._control_w = self._lifeline_w = None
+        for fd in fds:
+            if fd is not None:
+                os.close(fd)
