@@ -16,6 +16,9 @@ from dpengine.eventlog import reader as eventlog
 from dpengine.eventlog.events import (
     LOG_FORMAT,
     ConfigChanged,
+    RankEnded,
+    RankJoined,
+    RankStepFinished,
     RunConfig,
     RunFailed,
     RunFinished,
@@ -23,6 +26,8 @@ from dpengine.eventlog.events import (
     SplitChanged,
     StateChanged,
     StepFinished,
+    StragglerCleared,
+    StragglerFound,
     TelemetrySampled,
     to_json_dict,
 )
@@ -50,8 +55,32 @@ def every_kind_of_event() -> list:
         ConfigChanged(60, ("cpu:0", "cpu:1"), step=5, request=4),
         SplitChanged(5, "auto", (0.6, 0.4), by_balancer=True),  # request None: the balancer's own
         balanced(step_event(5, 2, 1, 2, 60, ("cuda:0", "cuda:1"))),  # with CUDA peaks
+        *ddp_events(),
         RunFinished(final_loss=0.25, epochs=2, steps=5, samples=160, seconds=1.5, stopped=True),
         RunFailed("ValueError: bad", "ValueError", replica=1, device="cpu:1", traceback="Traceback ..."),
+    ]
+
+
+def ddp_events() -> list:
+    """A DDP run's events: ranks joining, a step with phase offsets and one without, a verdict."""
+    return [
+        RankJoined(rank=1, local_rank=1, world_size=2, host="node0", pid=4242, device="cpu", restart=1),
+        RankStepFinished(
+            rank=1, step=7, data_ms=1.5, forward_ms=10.0, backward_ms=20.0, comm_wait_ms=3.0,
+            optimizer_ms=2.0, other_ms=0.5, total_ms=37.0, loss=0.75, samples=32, micro_batches=2,
+            memory_bytes=1 << 20, peak_memory_bytes=2 << 20, data_start_ms=0.0, forward_start_ms=1.5,
+            backward_start_ms=11.5, comm_wait_start_ms=31.5, optimizer_start_ms=34.5, other_start_ms=36.5,
+            first_collective_ms=12.0,
+        ),
+        RankStepFinished(
+            rank=0, step=7, data_ms=1.0, forward_ms=9.0, backward_ms=18.0, comm_wait_ms=8.0,
+            optimizer_ms=1.0, other_ms=0.0, total_ms=37.0, loss=None, samples=32, micro_batches=1,
+            memory_bytes=None, peak_memory_bytes=None,
+        ),
+        StragglerFound(step=30, rank=1, phase="data", excess_ms=48.0, window=20),
+        StragglerCleared(step=55),
+        RankEnded(rank=1, exit_code=1, script_finished=False, host="node0", error="ValueError: bad",
+                  traceback="Traceback ..."),
     ]
 
 
@@ -74,6 +103,16 @@ def test_every_event_comes_back_equal_to_what_was_written(tmp_path):
     path = tmp_path / "run.jsonl"
     path.write_text(jsonl(events))
     assert read_event_log(path) == events
+
+
+def test_a_rank_step_is_written_with_the_fields_the_log_format_names():
+    body = json.loads(jsonl(ddp_events()[1:2]))
+    assert body["type"] == "rank_step"
+    for name in ("rank", "step", "data_ms", "forward_ms", "backward_ms", "comm_wait_ms", "optimizer_ms",
+                 "other_ms", "total_ms", "loss", "samples", "micro_batches", "memory_bytes",
+                 "peak_memory_bytes", "forward_start_ms"):
+        assert name in body
+    assert decode_event(body) == ddp_events()[1]
 
 
 def test_run_started_says_the_logs_format_and_a_log_from_before_it_is_format_1():

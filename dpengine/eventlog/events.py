@@ -125,9 +125,85 @@ class RunFailed:
     traceback: str = ""  # for logs; never drawn raw on screen
 
 
+# -- DistributedDataParallel ranks (`dptui run --nproc-per-node N`, `--backend ddp`) -------------
+# A rank's step is one optimizer step (micro-batches under no_sync() included); its phases add up to
+# total_ms. `<phase>_start_ms` are offsets from the rank's own step start (None: not recorded, as in
+# older logs: lay the phases end to end and say "approximate").
+
+
+@dataclass(frozen=True, slots=True)
+class RankJoined:
+    """A rank connected to dptui: once per rank and generation (restart)."""
+
+    rank: int  # global rank
+    local_rank: int
+    world_size: int
+    host: str
+    pid: int
+    device: str  # "cpu" or "cuda:N" (the rank's own device)
+    node_rank: int = 0
+    restart: int = 0  # torchrun's restart count (--max-restarts): a new generation
+
+
+@dataclass(frozen=True, slots=True)
+class RankStepFinished:
+    rank: int
+    step: int  # the rank's optimizer steps, from 0 (steps 0 and 1 are warm-up)
+    data_ms: float  # waiting for input: the previous step's end to the first forward
+    forward_ms: float
+    backward_ms: float  # backward compute, without comm_wait
+    comm_wait_ms: float  # exposed gradient all-reduce wait: last bucket ready to its all-reduce done
+    optimizer_ms: float
+    other_ms: float  # total_ms minus the phases above
+    total_ms: float
+    loss: float | None  # what backward was called on (unscaled under a GradScaler); None: not seen
+    samples: int
+    micro_batches: int
+    memory_bytes: int | None  # CUDA allocated, or the process's RSS on CPU
+    peak_memory_bytes: int | None
+    data_start_ms: float | None = None
+    forward_start_ms: float | None = None
+    backward_start_ms: float | None = None
+    comm_wait_start_ms: float | None = None
+    optimizer_start_ms: float | None = None
+    other_start_ms: float | None = None
+    # The first collective's start, from the step start: where ranks' steps are aligned on one axis.
+    first_collective_ms: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StragglerFound:
+    """A rank's own time (step minus comm_wait) exceeded the others' median persistently: a verdict
+    started or changed."""
+
+    step: int
+    rank: int
+    phase: str  # the phase with the largest excess over the others' median
+    excess_ms: float  # per step, over the others' median own time
+    window: int  # steps in the window the verdict stands on
+
+
+@dataclass(frozen=True, slots=True)
+class StragglerCleared:
+    step: int
+
+
+@dataclass(frozen=True, slots=True)
+class RankEnded:
+    """A rank's process ended: exit_code 0, the script's own status, or -N for signal N."""
+
+    rank: int
+    exit_code: int
+    script_finished: bool  # the script's last line ran (an abort after it is teardown, not failure)
+    host: str = ""
+    error: str = ""  # one line, when the script raised
+    traceback: str = ""  # for logs; never drawn raw on screen
+
+
 Event = Union[
     RunStarted, StepFinished, EpochFinished, TelemetrySampled, StateChanged,
     ConfigChanged, SplitChanged, RunFinished, RunFailed,
+    RankJoined, RankStepFinished, StragglerFound, StragglerCleared, RankEnded,
 ]
 
 _TYPE_NAMES = {
@@ -140,6 +216,11 @@ _TYPE_NAMES = {
     SplitChanged: "split",
     RunFinished: "run_finished",
     RunFailed: "run_failed",
+    RankJoined: "rank_joined",
+    RankStepFinished: "rank_step",
+    StragglerFound: "straggler",
+    StragglerCleared: "straggler_cleared",
+    RankEnded: "rank_ended",
 }
 
 

@@ -33,12 +33,17 @@ from .events import (
     ConfigChanged,
     EpochFinished,
     Event,
+    RankEnded,
+    RankJoined,
+    RankStepFinished,
     RunFailed,
     RunFinished,
     RunStarted,
     SplitChanged,
     StateChanged,
     StepFinished,
+    StragglerCleared,
+    StragglerFound,
     TelemetrySampled,
 )
 
@@ -204,6 +209,11 @@ _DECODERS: dict[str, Callable[[dict[str, Any]], Any]] = {
     "split": _plan(SplitChanged),
     "run_finished": _plan(RunFinished),
     "run_failed": _plan(RunFailed),
+    "rank_joined": _plan(RankJoined),
+    "rank_step": _plan(RankStepFinished),
+    "straggler": _plan(StragglerFound),
+    "straggler_cleared": _plan(StragglerCleared),
+    "rank_ended": _plan(RankEnded),
 }
 
 
