@@ -26,6 +26,10 @@ class ReplicaRecord:
     # False when a parallel_apply override ran the replica: forward_ms is then the span of the
     # whole parallel_apply (every replica ran within it) and memory_bytes is 0.
     forward_timed: bool = True
+    # Where the replica's phases began, in ms from the step's start (the DataParallel forward's
+    # call); None where not recorded (older logs): a timeline then lays phases end to end.
+    forward_start_ms: float | None = None
+    backward_start_ms: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +55,12 @@ class StepRecord:
     # whether that is a guess (the per-row model fits the measurements badly).
     even_ms: float | None = None
     even_ms_unsure: bool = False
+    # The engine's phases' starts, in ms from the step's start; None where not recorded.
+    scatter_start_ms: float | None = None
+    replicate_start_ms: float | None = None
+    apply_start_ms: float | None = None
+    gather_start_ms: float | None = None
+    backward_start_ms: float | None = None
 
     @property
     def chunk_sizes(self) -> tuple[int, ...]:
