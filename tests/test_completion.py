@@ -9,6 +9,7 @@ stands where the device would, so what waits and what is published is checked wi
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -207,3 +208,20 @@ def test_without_the_users_view_a_step_reset_only_resets():
     allocator.peak = 900
     keeper.step_reset(0)
     assert allocator.peak == 0 and keeper.users_peak(0) == 0
+
+
+def test_under_dptui_run_a_forward_only_scripts_last_step_is_published(tmp_path):
+    script = tmp_path / "tutorial.py"  # PyTorch's DataParallel tutorial: forwards under grad, no backward
+    script.write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+        model = nn.DataParallel(nn.Linear(5, 2))
+        for _ in range(3):
+            model(torch.randn(6, 5))
+    """))
+    done = subprocess.run([sys.executable, "-m", "tui.cli", "run", "--headless", "--json", "--no-telemetry",
+                           "--devices", "cpu:0,cpu:1", str(script)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    events = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [e["step"] for e in events if e["type"] == "step"] == [1, 2, 3]

@@ -35,6 +35,7 @@ def _stay_with_dptui() -> None:
 
 
 def _connect() -> None:
+    from ..cuda_memory import keep_users_view
     from . import unrecorded, wire
     from .link import ParentLink
     from .swap import install
@@ -47,7 +48,9 @@ def _connect() -> None:
     link = ParentLink(events_fd, control_fd, devices)
     unrecorded.watch(link)
     install(link)
-    atexit.register(link.flush)
+    # The steps reset the CUDA allocator's peak; the script's own max_memory_allocated() must not see it.
+    keep_users_view()
+    atexit.register(link.flush)  # after the steps' own flush at exit (registered at the first step)
 
 
 def _run(argv: list[str]) -> None:
