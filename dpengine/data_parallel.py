@@ -478,7 +478,8 @@ class DataParallel(nn.Module):
         _set(self, "_step", self._step + 1)
         if self.recording:
             probes = state.probes = [
-                ReplicaProbe(i, self.devices[s], device_name(self.devices[s]), self.dim) for i, s in enumerate(slots)
+                ReplicaProbe(i, self.devices[s], device_name(self.devices[s]), self.dim, reset_peak=False)
+                for i, s in enumerate(slots)
             ]
             pending = state.pending = _PendingStep(self, self._step, probes, state)
             pending.split, pending.slots = self._split, slots
@@ -873,7 +874,7 @@ class _CompletionWatcher:
     DataParallel dropped meanwhile is held here until its last steps are out.
     """
 
-    POLL_S = 0.005
+    POLL_S = 0.02  # a step is out within this of the device running it; the UI redraws at 10 Hz
 
     def __init__(self) -> None:
         self._cond = threading.Condition()

@@ -292,8 +292,11 @@ class ReplicaProbe:
     with the other replicas on every op they launch; the caller, after the join, has it alone.
     """
 
-    def __init__(self, index: int, device: torch.device, name: str, dim: int) -> None:
+    def __init__(self, index: int, device: torch.device, name: str, dim: int, reset_peak: bool = True) -> None:
         self.index = index
+        # CUDA: restart the device's peak at the forward (a DDP rank's step starts there); a
+        # DataParallel restarts it at its step's start itself, for all its devices at once.
+        self._reset_peak = reset_peak and device.type == "cuda"
         self.device = device
         self.name = name
         self.dim = dim
@@ -328,7 +331,8 @@ class ReplicaProbe:
                 output = fn(*args, **kwargs)
             self._forward_s = time.perf_counter() - started
             return output
-        # The step's peak was reset at its start (DataParallel, before the scatter).
+        if self._reset_peak:
+            cuda_memory.KEEPER.step_reset(self.device.index)
         clock.start()
         output = fn(*args, **kwargs)
         clock.stop()
