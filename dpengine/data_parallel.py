@@ -249,6 +249,17 @@ class DataParallel(nn.Module):
         """device name -> native id of the thread that runs its replica (empty until first used)."""
         return self._pool.thread_ids() if self._pool is not None else {}
 
+    def __del__(self) -> None:
+        # Collected with a step still open (built per call and dropped before its backward, as
+        # torch's functional form does): publish it, as the next forward would. On CUDA the
+        # watcher holds this object until the step's events have completed.
+        state = self.__dict__
+        if state.get("_pending") is not None or state.get("_completing"):
+            try:
+                self._flush_pending()
+            except Exception:  # noqa: BLE001 - at interpreter shutdown there is nothing left to publish to
+                pass
+
     def close(self) -> None:
         """Stop the worker threads (they are daemons; this is for tidy shutdown)."""
         if self._pool is not None:

@@ -9,6 +9,7 @@ stands where the device would, so what waits and what is published is checked wi
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
@@ -20,7 +21,7 @@ import torch
 from torch import nn
 from waiting import wait_for
 
-from dpengine import StepRecord
+from dpengine import DataParallel, StepRecord
 from dpengine.cuda_memory import PeakKeeper
 from dpengine.instrument import HostSpan
 from dpengine.replicate import replicate_from_source
@@ -225,3 +226,20 @@ def test_under_dptui_run_a_forward_only_scripts_last_step_is_published(tmp_path)
     assert done.returncode == 0, done.stderr
     events = [json.loads(line) for line in done.stdout.splitlines()]
     assert [e["step"] for e in events if e["type"] == "step"] == [1, 2, 3]
+
+
+def test_a_dataparallel_dropped_before_its_backward_publishes_its_step():
+    # torch.nn.parallel.data_parallel and `nn.DataParallel(m)(x)` build one per call.
+    model = nn.Linear(4, 2)
+    got: list[StepRecord] = []
+
+    def per_call(x):
+        dp = DataParallel(model, ["cpu:0", "cpu:1"])
+        dp.subscribe(got.append)
+        return dp(x)
+
+    out = per_call(torch.randn(6, 4))
+    gc.collect()
+    assert [r.step for r in got] == [1] and got[0].backward_ms is None
+    out.sum().backward()  # still trains; its owner is gone, so nothing more is published
+    assert model.weight.grad is not None and len(got) == 1
