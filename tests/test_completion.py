@@ -225,7 +225,11 @@ def test_under_dptui_run_a_forward_only_scripts_last_step_is_published(tmp_path)
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     events = [json.loads(line) for line in done.stdout.splitlines()]
-    assert [e["step"] for e in events if e["type"] == "step"] == [1, 2, 3]
+    steps = [e for e in events if e["type"] == "step"]
+    assert [e["step"] for e in steps] == [1, 2, 3]
+    for step in steps:  # the phases' starts cross the wire to dptui (22.2)
+        assert step["engine"]["scatter_start_ms"] == 0.0 and step["engine"]["gather_start_ms"] > 0
+        assert all(r["forward_start_ms"] >= step["engine"]["apply_start_ms"] for r in step["replicas"])
 
 
 def test_a_dataparallel_dropped_before_its_backward_publishes_its_step():
