@@ -52,6 +52,7 @@ LOG_STYLES = {"model": "", "event": "cyan", "error": "bold red"}
 PLAIN_KEY_ACTIONS = {
     "pause", "resume", "scale_batch", "ask_batch", "toggle_device", "pick_devices",
     "restart", "toggle_log", "help", "quit_app", "toggle_balance", "ask_weights", "toggle_timeline",
+    "toggle_log_scale",
 }
 
 # Actions that change a live run.
@@ -78,6 +79,7 @@ class DptuiApp(App[None]):
         Binding("w", "ask_weights", "Weights", show=False, tooltip="Type one split weight per device"),
         Binding("r", "restart", "Restart", tooltip="Restart the run from fresh weights"),
         Binding("t", "toggle_timeline", "Phases", tooltip="The last step's timeline, or the device panels"),
+        Binding("y", "toggle_log_scale", "Log y", show=False, tooltip="The loss chart on a log scale, or linear"),
         Binding("l", "toggle_log", "Log", tooltip="Show or hide the log"),
         Binding("question_mark", "help", "Help", key_display="?", tooltip="This help"),
         Binding("q", "quit_app", "Quit", tooltip="Stop at the next step boundary and quit"),
@@ -105,7 +107,7 @@ class DptuiApp(App[None]):
         self.timeline = StepTimeline(id="timeline")  # in the panels' place while shown (key t)
         self.timeline.display = False
         self.loss_chart = HistoryChart("loss", id="loss")
-        self.throughput_chart = HistoryChart("samples/s", id="throughput")
+        self.throughput_chart = HistoryChart("samples/s", id="throughput", number=fmt.rate)
         self.log_view = RunLog(id="log", max_lines=2000, min_width=20, wrap=True, markup=False)
 
     def compose(self) -> ComposeResult:
@@ -202,8 +204,8 @@ class DptuiApp(App[None]):
         with self.batch_update():
             self.status.show(snap)
             self.devices.show(snap.panels)
-            self.loss_chart.show(fmt.loss(snap.loss), snap.loss_history)
-            self.throughput_chart.show(fmt.rate(snap.samples_per_s), snap.throughput_history)
+            self.loss_chart.show(fmt.loss(snap.loss), snap.loss_history, snap.step)
+            self.throughput_chart.show(fmt.rate(snap.samples_per_s), snap.throughput_history, snap.step)
             if self.timeline.display:
                 self.timeline.show(snap.timeline)
         for notice in snap.notices:
@@ -301,6 +303,9 @@ class DptuiApp(App[None]):
         if shown:
             self._shown_version = -1  # draw the step now, not at the next one
             self._refresh_widgets()
+
+    def action_toggle_log_scale(self) -> None:
+        self.loss_chart.log_scale = not self.loss_chart.log_scale
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen(list(self.BINDINGS)))
