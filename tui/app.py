@@ -196,7 +196,7 @@ class DptuiApp(App[None]):
             self.refresh_bindings()  # Pause or Resume
         with self.batch_update():
             self.status.show(snap)
-            self.devices.show(snap.panels)
+            self.devices.show(snap.panels, snap.ranks)
             self.loss_chart.show(fmt.loss(snap.loss), snap.loss_history)
             self.throughput_chart.show(fmt.rate(snap.samples_per_s), snap.throughput_history)
         for notice in snap.notices:

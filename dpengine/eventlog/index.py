@@ -9,6 +9,10 @@ gigabyte of log, whose events as objects took 2 GB.
 One thread (the reader) writes the index; others read it. Lines that cannot be read are
 counted in `skipped`, once each: those whose framing is broken when indexed, the others when
 they fail to decode.
+
+A DDP run's log has no `step` lines but a `rank_step` per rank per step: the first `rank_step` of
+each new step number counts as the step (the number read from the line's bytes), and the step
+shown runs to the line before the next one (`step_end`), so every rank's record of it is there.
 """
 
 from __future__ import annotations
@@ -24,12 +28,38 @@ from .reader import Mark, file_replaced, read_line
 
 # A line's kind, one byte each.
 OTHER, STEP, RUN_STARTED, CONFIG, SPLIT, STATE, TELEMETRY, ENDED, BAD = range(9)
+RANK_STEP, RANK_JOINED, VERDICT, RANK_ENDED = range(9, 13)  # a DDP run's
 KINDS = {
     b"step": STEP, b"run_started": RUN_STARTED, b"config": CONFIG, b"split": SPLIT, b"state": STATE,
     b"telemetry": TELEMETRY, b"run_finished": ENDED, b"run_failed": ENDED,
+    b"rank_step": RANK_STEP, b"rank_joined": RANK_JOINED, b"straggler": VERDICT, b"straggler_cleared": VERDICT,
+    b"rank_ended": RANK_ENDED,
 }
-# What was in force before a step: the latest line of each of these kinds.
-CONTEXT_KINDS = (RUN_STARTED, CONFIG, SPLIT, STATE, TELEMETRY)
+# What was in force before a step: the latest line of each of these kinds...
+CONTEXT_KINDS = (RUN_STARTED, CONFIG, SPLIT, STATE, TELEMETRY, VERDICT)
+# ...and every line of these since the run started (each rank's).
+EVERY_KINDS = (RANK_JOINED, RANK_ENDED)
+_STEP_FIELD = b'"step":'
+
+
+def rank_step_number(line: bytes) -> int | None:
+    """The step number of a `rank_step` line, read from its bytes (None if it has none)."""
+    at = line.find(_STEP_FIELD)
+    if at < 0:
+        try:
+            data = json.loads(line)
+        except ValueError:
+            return None
+        step = data.get("step") if isinstance(data, dict) else None
+        return step if type(step) is int else None
+    at += len(_STEP_FIELD)
+    end = at
+    while end < len(line) and line[end] in b" -0123456789":
+        end += 1
+    try:
+        return int(line[at:end])
+    except ValueError:
+        return None
 
 CHUNK_BYTES = 1 << 22  # per read while indexing: stop() and the UI are seen between chunks
 TAIL_BYTES = 1 << 20  # the first read of the tail; doubled until it holds enough steps
@@ -57,15 +87,19 @@ def line_kind(line: bytes) -> int:
 
 
 def _context_before(kinds: list[int], first: int) -> list[int]:
-    """Positions of the latest line of each context kind before `first`, back to a run_started."""
+    """Positions of the latest line of each context kind before `first`, back to a run_started
+    (and of every rank's joining and end)."""
     found: dict[int, int] = {}
+    every = []
     for i in range(first - 1, -1, -1):
         kind = kinds[i]
-        if kind in CONTEXT_KINDS and kind not in found:
+        if kind in EVERY_KINDS:
+            every.append(i)
+        elif kind in CONTEXT_KINDS and kind not in found:
             found[kind] = i
             if kind == RUN_STARTED:
                 break  # what came before belongs to no step of this run
-    return sorted(found.values())
+    return sorted([*found.values(), *every])
 
 
 class LogIndex:
@@ -83,7 +117,8 @@ class LogIndex:
         self._kinds = array("B")
         self._end = 0  # just past the last whole line indexed
         self._steps = array("q")  # line numbers of the steps
-        self._context = {kind: array("q") for kind in (*CONTEXT_KINDS, ENDED)}
+        self._context = {kind: array("q") for kind in (*CONTEXT_KINDS, *EVERY_KINDS, ENDED)}
+        self._rank_step = -1  # the newest rank_step number indexed: a greater one is the next step
         self._bad = 0  # lines indexed as BAD
         self._undecodable: set[int] = set()  # well-framed lines that failed to decode
         self._mark = Mark()
@@ -108,7 +143,7 @@ class LogIndex:
             if start > 0:
                 lines = lines[1:]  # the first may be cut
             kinds = [line_kind(line) for line in lines]
-            at = [i for i, k in enumerate(kinds) if k == STEP]
+            at = [i for i, k in enumerate(kinds) if k == STEP or k == RANK_STEP]  # a DDP step counts per rank
             if start == 0 or len(at) > steps:
                 break
             want *= 2
@@ -176,12 +211,16 @@ class LogIndex:
                 kind = line_kind(data[i:j])
             starts.append(base + i)
             kinds.append(kind)
-            if kind == STEP:
+            if kind == RANK_STEP and self._next_rank_step(data[i:j]):
+                steps.append(line)
+            elif kind == STEP:
                 steps.append(line)
             elif kind == BAD:
                 bad += 1
             elif kind in context:
                 context[kind].append(line)
+                if kind in (RUN_STARTED, RANK_JOINED):
+                    self._rank_step = -1  # a new run or generation counts its steps from 0 again
             line += 1
             i = j + 1
         with self._lock:
@@ -203,12 +242,20 @@ class LogIndex:
                 self._starts.append(self._end)
                 kind = line_kind(rest)
                 self._kinds.append(kind)
-                if kind == STEP:
+                if kind == STEP or (kind == RANK_STEP and self._next_rank_step(rest)):
                     self._steps.append(len(self._starts) - 1)
                 elif kind in self._context:
                     self._context[kind].append(len(self._starts) - 1)
                 self._end += len(rest)
                 self.changes += 1
+
+    def _next_rank_step(self, line: bytes) -> bool:
+        """Whether this rank_step line is the first of a new step (the reader thread's)."""
+        step = rank_step_number(line)
+        if step is None or step <= self._rank_step:
+            return False
+        self._rank_step = step
+        return True
 
     def replaced(self) -> bool:
         """Whether the path names another file now (rotated), or this one no longer holds what
@@ -260,10 +307,19 @@ class LogIndex:
         """The line number of step `step` (from 0)."""
         return self._steps[step]
 
+    def step_end(self, step: int) -> int:
+        """The last line of step `step` (from 0): its own line, or for a DDP step the line before
+        the next step's first (every rank's record of it), or the last line."""
+        with self._lock:
+            line = self._steps[step]
+            if self._kinds[line] != RANK_STEP:
+                return line
+            return self._steps[step + 1] - 1 if step + 1 < len(self._steps) else len(self._starts) - 1
+
     def latest_before(self, line: int) -> list[int]:
         """What was in force before `line`: the line numbers of the latest line of each context
-        kind, back to the latest run_started (what came before it belongs to no step of this
-        run), in line order."""
+        kind, and of every rank's joining and end, back to the latest run_started (what came
+        before it belongs to no step of this run), in line order."""
         with self._lock:
             found = {}
             for kind in CONTEXT_KINDS:
@@ -271,8 +327,10 @@ class LogIndex:
                 at = bisect_left(lines, line)
                 if at:
                     found[kind] = lines[at - 1]
-        started = found.get(RUN_STARTED, -1)
-        return sorted(n for n in found.values() if n >= started)
+            started = found.get(RUN_STARTED, -1)
+            every = [n for kind in EVERY_KINDS for n in self._context[kind][:bisect_left(self._context[kind], line)]
+                     if n >= started]
+        return sorted([*(n for n in found.values() if n >= started), *every])
 
     def events(self, first: int, last: int) -> list[tuple[int, Any]]:
         """The events of lines first..last (line numbers, inclusive), decoded, with their numbers;

@@ -1,4 +1,4 @@
-"""The device panels, in a grid with as many columns as fit, rows filled evenly."""
+"""The device panels (or a DDP run's rank panels), in a grid with as many columns as fit, rows filled evenly."""
 
 from __future__ import annotations
 
@@ -6,15 +6,21 @@ from collections.abc import Sequence
 
 from textual.containers import VerticalScroll
 
+from ..ranks import RankView
 from ..state import DeviceView
 from .device_panel import DevicePanel
+from .rank_panel import RankPanel
 
 PANEL_MIN_WIDTH = 26  # a panel's bars and timings stay legible down to this width
 
 
 class DeviceGrid(VerticalScroll):
-    def show(self, views: Sequence[DeviceView]) -> None:
-        """Update the panels; rebuild them only when the run's available devices change."""
+    def show(self, views: Sequence[DeviceView], ranks: Sequence[RankView] = ()) -> None:
+        """Update the panels; rebuild them only when the run's available devices change. A run
+        with ranks (DDP) shows one panel per rank instead: each rank's device is in its panel."""
+        if ranks:
+            self._show_ranks(ranks)
+            return
         if not views:
             return  # starting: keep the last run's panels until the new one says what it has
         panels = list(self.query_children(DevicePanel))
@@ -26,13 +32,23 @@ class DeviceGrid(VerticalScroll):
         for panel, view in zip(panels, views):
             panel.show(view)
 
+    def _show_ranks(self, views: Sequence[RankView]) -> None:
+        panels = list(self.query_children(RankPanel))
+        if [p.view.rank for p in panels if p.view] != [v.rank for v in views]:
+            self.remove_children()
+            self.mount_all(RankPanel(v) for v in views)
+            self._reflow(len(views))
+            return
+        for panel, view in zip(panels, views):
+            panel.show(view)
+
     @property
     def names(self) -> dict[str, str]:
         """{device: name} of the panels shown."""
         return {p.view.device: p.view.name for p in self.query_children(DevicePanel) if p.view}
 
     def on_resize(self) -> None:
-        self._reflow(len(self.query_children(DevicePanel)))
+        self._reflow(len(self.children))
 
     def _reflow(self, count: int) -> None:
         if not count:

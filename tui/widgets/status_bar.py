@@ -1,4 +1,8 @@
-"""The summary line (two on a narrow terminal): workload, backend, batch, progress, speed, loss, state."""
+"""The summary line (two on a narrow terminal): workload, backend, batch, progress, speed, loss, state.
+
+A DDP run's bar counts ranks and steps instead of epochs, and names the straggler (its own line
+when the width is short): `rank 1 is the straggler: data +48 ms/step over 20 steps`.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ from rich.text import Text
 from textual.widgets import Static
 
 from .. import format as fmt
+from ..ranks import straggler_line
 from ..state import Snapshot
 
 STATE_STYLES = {
@@ -20,11 +25,41 @@ STATE_STYLES = {
 }
 
 
+def verdict_text(snap: Snapshot) -> Text | None:
+    """A DDP run's straggler verdict in force, or that there is none; None for other runs."""
+    if not snap.ranks:
+        return None
+    if snap.straggler is not None:
+        return Text(f"⚠ {straggler_line(snap.straggler)}", style="bold yellow")
+    if snap.straggler_cleared is not None:
+        return Text(f"no straggler (cleared at step {snap.straggler_cleared.step})", style="dim")
+    return Text("no straggler", style="dim")
+
+
+def _ranks_run(snap: Snapshot) -> list[Text]:
+    ranks = len(snap.ranks)
+    step = f"step {snap.rank_step}" if snap.rank_step >= 0 else "no step yet"
+    return [Text(f"{snap.workload or '…'} · {snap.backend or 'ddp'}", style="bold"),
+            Text(f"{ranks} rank{'' if ranks == 1 else 's'}"), Text(step)]
+
+
+def pack_lines(parts: list[Text], width: int) -> Text:
+    """The parts on as few lines as `width` allows, in order, each part whole on one line."""
+    sep = Text(" │ ", style="dim")
+    lines = [parts[0]]
+    for part in parts[1:]:
+        if lines[-1].cell_len + sep.cell_len + part.cell_len <= width:
+            lines[-1] = Text.assemble(lines[-1], sep, part)
+        else:
+            lines.append(part)
+    return Text("\n").join(lines)
+
+
 def status_text(snap: Snapshot, width: int) -> Text:
     """One line when `width` allows, else the run on the first line and its health on the second."""
     epochs = f"/{snap.epochs}" if snap.epochs else ""
     sep = Text(" │ ", style="dim")
-    run = sep.join([
+    run = sep.join(_ranks_run(snap) if snap.ranks else [
         Text(f"{snap.workload or '…'} · {snap.backend or '…'}", style="bold"),
         Text(f"batch {snap.batch_size if snap.batch_size is not None else '–'}"),
         Text(f"epoch {snap.epoch}{epochs} step {snap.step_in_epoch}/{snap.steps_in_epoch} (#{snap.step})"),
@@ -44,6 +79,9 @@ def status_text(snap: Snapshot, width: int) -> Text:
         Text(f"loss {fmt.loss(snap.loss)}"),
         state,
     ])
+    verdict = verdict_text(snap)
+    if verdict is not None:
+        return pack_lines([run, health, verdict], width)
     if run.cell_len + sep.cell_len + health.cell_len <= width:
         return Text.assemble(run, sep, health)
     return Text.assemble(run, "\n", health)

@@ -1,0 +1,188 @@
+"""What the user sees of a DDP run (issue 21): the rank events in the UI's state, the rank panels,
+the status bar's straggler line, and `dptui view` of a DDP log (tests/fixtures/ddp_run.jsonl,
+written by tests/make_ddp_fixture.py: rank 1's input slowed in steps 10-39, a verdict from step 24
+to 45)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pilot import until
+
+from dpengine.eventlog.events import (
+    RankEnded,
+    RankJoined,
+    RankStepFinished,
+    StragglerCleared,
+    StragglerFound,
+    TelemetrySampled,
+)
+from dpengine.eventlog.reader import EventLogReader
+from dpengine.telemetry.sample import DeviceSample
+from tui.state import RunView
+from tui.view.app import ViewerApp
+from tui.widgets.rank_panel import RankPanel, body_lines, stacked_bar
+from tui.widgets.status_bar import status_text
+
+FIXTURE = Path(__file__).parent / "fixtures" / "ddp_run.jsonl"
+
+
+def fixture_events() -> list[object]:
+    reader = EventLogReader(FIXTURE)
+    try:
+        return list(reader.read_rest())
+    finally:
+        reader.close()
+
+
+def rank_step(rank: int, step: int, data: float = 1.0, wait: float = 0.5, loss: float | None = 0.5) -> RankStepFinished:
+    phases = dict(data_ms=data, forward_ms=4.0, backward_ms=8.0, comm_wait_ms=wait, optimizer_ms=1.0, other_ms=0.5)
+    return RankStepFinished(rank=rank, step=step, **phases, total_ms=sum(phases.values()), loss=loss, samples=16,
+                            micro_batches=1, memory_bytes=100 << 20, peak_memory_bytes=120 << 20)
+
+
+def joined(rank: int, device: str = "cpu", host: str = "node0") -> RankJoined:
+    return RankJoined(rank=rank, local_rank=rank, world_size=2, host=host, pid=100 + rank, device=device)
+
+
+def sample(device: str, util: float) -> DeviceSample:
+    return DeviceSample(device=device, name="x", timestamp=0.0, utilization_pct=util, memory_used_bytes=1 << 30,
+                        memory_total_bytes=8 << 30)
+
+
+# -- the state ----------------------------------------------------------------------------------
+
+
+def test_the_fixture_is_what_its_generator_writes(tmp_path):
+    import make_ddp_fixture
+
+    make_ddp_fixture.write(tmp_path / "ddp_run.jsonl")
+    assert (tmp_path / "ddp_run.jsonl").read_text() == FIXTURE.read_text()
+
+
+def test_each_rank_keeps_its_last_step_host_local_rank_and_device():
+    view = RunView()
+    for event in (joined(0), joined(1, host="node1"), rank_step(0, 0), rank_step(1, 0), rank_step(0, 1, data=7.0)):
+        view.feed(event)
+    snap = view.snapshot()
+    assert [r.rank for r in snap.ranks] == [0, 1]
+    zero, one = snap.ranks
+    assert zero.last.step == 1 and zero.last.data_ms == 7.0 and zero.steps == 2
+    assert one.last.step == 0 and one.host == "node1" and one.local_rank == 1 and one.device == "cpu"
+    assert snap.rank_step == 1
+    assert view.started  # ranks joined: steering keys work although no run_started came
+    assert snap.loss == 0.5 and snap.loss_history == (0.5, 0.5)  # the lowest rank's
+
+
+def test_the_verdict_in_force_marks_one_rank_until_it_is_cleared():
+    view = RunView()
+    for event in (joined(0), joined(1), rank_step(0, 30), rank_step(1, 30)):
+        view.feed(event)
+    assert view.snapshot().straggler is None
+    verdict = StragglerFound(step=30, rank=1, phase="backward", excess_ms=12.5, window=20)
+    view.feed(verdict)
+    snap = view.snapshot()
+    assert snap.straggler == verdict
+    assert [r.straggler for r in snap.ranks] == [None, verdict]
+    view.feed(StragglerCleared(step=52))
+    snap = view.snapshot()
+    assert snap.straggler is None and snap.straggler_cleared.step == 52
+    assert all(r.straggler is None for r in snap.ranks)
+
+
+def test_telemetry_goes_to_the_rank_it_names_or_to_the_rank_with_that_device_alone():
+    view = RunView()
+    for event in (joined(0, "cuda:0"), joined(1, "cuda:1"), joined(2, "cpu"), joined(3, "cpu")):
+        view.feed(event)
+    view.feed(TelemetrySampled((sample("cuda:0", 80.0), sample("cuda:1", 20.0), sample("cpu", 50.0),
+                                sample("rank 3", 33.0))))
+    utils = [r.sample.utilization_pct if r.sample else None for r in view.snapshot().ranks]
+    # rank 2 shares "cpu" with rank 3: a sample named "cpu" is neither's; rank 3 has its own.
+    assert utils == [80.0, 20.0, None, 33.0]
+
+
+def test_a_rank_that_fails_is_marked_and_said_and_a_teardown_abort_after_the_script_is_not():
+    view = RunView()
+    for event in (joined(0), joined(1), rank_step(0, 0), rank_step(1, 0)):
+        view.feed(event)
+    view.take_log()
+    view.feed(RankEnded(rank=0, exit_code=-6, script_finished=True, host="node0"))
+    view.feed(RankEnded(rank=1, exit_code=1, script_finished=False, host="node0", error="ValueError: bad batch"))
+    snap = view.snapshot()
+    zero, one = snap.ranks
+    assert (zero.ended, zero.failed) == ("finished (teardown abort)", False)
+    assert (one.ended, one.failed, one.error) == ("failed: exit 1", True, "ValueError: bad batch")
+    assert [n.title for n in snap.notices] == ["Rank 1 failed"]
+    assert [line.kind for line in view.take_log()] == ["event", "error"]
+
+
+# -- the panels and the status bar --------------------------------------------------------------
+
+
+def test_the_stacked_bar_shares_its_cells_by_the_phases_ms():
+    bar = stacked_bar({"data": 30.0, "forward": 10.0, "backward": 0.0, "comm_wait": 0.0, "optimizer": 0.0,
+                       "other": 0.0}, 20)
+    assert bar.plain == "█" * 20
+    assert [(s.end - s.start, s.style) for s in bar.spans] == [(15, "yellow"), (5, "blue")]
+
+
+def test_a_rank_panel_shows_the_phases_with_ms_loss_memory_and_telemetry():
+    view = RunView()
+    for event in (joined(1), rank_step(1, 3, data=48.0, wait=0.25, loss=0.4312)):
+        view.feed(event)
+    view.feed(TelemetrySampled((sample("rank 1", 61.0),)))
+    text = "\n".join(line.plain for line in body_lines(view.snapshot().ranks[0], 40))
+    for expected in ("step  3 61.8 ms", "data 48.0", "fwd 4.00", "bwd 8.00", "wait 0.250", "opt 1.00", "oth 0.500",
+                     "loss  0.4312", "100 MiB pk 120", "cpu   61%"):
+        assert expected in text
+
+
+@pytest.mark.parametrize("width", [80, 160])
+def test_the_status_bar_names_the_straggler(width):
+    view = RunView()
+    for event in (joined(0), joined(1), rank_step(0, 30), rank_step(1, 30)):
+        view.feed(event)
+    assert "no straggler" in status_text(view.snapshot(), width).plain
+    view.feed(StragglerFound(step=30, rank=1, phase="data", excess_ms=48.0, window=20))
+    text = status_text(view.snapshot(), width)
+    assert "rank 1 is the straggler: data +48.0 ms/step over 20 steps" in text.plain
+    assert all(len(line) <= width for line in text.plain.split("\n"))
+    assert "2 ranks │ step 30" in text.plain
+
+
+# -- dptui view of a DDP log --------------------------------------------------------------------
+
+
+def straggler_marked(app: ViewerApp) -> list[bool]:
+    return [panel.has_class("-straggler") for panel in app.query(RankPanel)]
+
+
+@pytest.mark.parametrize("size", [(80, 24), (160, 48)])
+async def test_dptui_view_of_a_ddp_log_shows_a_panel_per_rank_and_steps_through_the_verdict(size):
+    app = ViewerApp(FIXTURE)
+    async with app.run_test(size=size) as pilot:
+        await until(lambda: app.replay.indexing is None and len(app.query(RankPanel)) == 2, "two rank panels")
+        assert app.replay.position == (60, 60)  # a DDP step counts once, however many ranks report it
+        assert straggler_marked(app) == [False, False]  # cleared at step 45
+        assert "no straggler (cleared at step 45)" in str(app.status.render())
+
+        await pilot.press("home")
+        await until(lambda: app.replay.position == (1, 60), "the first step")
+        for _ in range(30):
+            await pilot.press("right")
+        await until(lambda: app.replay.position == (31, 60), "step 31")
+        await until(lambda: straggler_marked(app) == [False, True], "rank 1 marked")
+        rank_1 = app.query(RankPanel).last()
+        assert rank_1.border_subtitle == "straggler: data +48.0 ms"
+        assert rank_1.view.last.step == 30  # every rank's record of the shown step
+        assert app.query(RankPanel).first().view.last.step == 30
+        assert "rank 1 is the straggler: data +48.0 ms/step over 20 steps" in str(app.status.render())
+        assert rank_1.border_title == "rank 1 · node0 · local 1 · cpu"
+
+        await pilot.press("left")  # back across the verdict's start: rebuilt from the log, verdict and all
+        for _ in range(8):
+            await pilot.press("left")
+        await until(lambda: app.replay.position == (22, 60), "step 22")
+        await until(lambda: straggler_marked(app) == [False, False], "no verdict before step 24")
+        assert [p.view.host for p in app.query(RankPanel)] == ["node0", "node0"]  # joins kept as context
