@@ -186,3 +186,54 @@ async def test_dptui_view_of_a_ddp_log_shows_a_panel_per_rank_and_steps_through_
         await until(lambda: app.replay.position == (22, 60), "step 22")
         await until(lambda: straggler_marked(app) == [False, False], "no verdict before step 24")
         assert [p.view.host for p in app.query(RankPanel)] == ["node0", "node0"]  # joins kept as context
+
+
+# -- dptui view --headless and --trace of a DDP log ---------------------------------------------
+
+
+def test_headless_view_of_a_ddp_log_prints_each_rank_and_the_verdicts(capsys):
+    from tui.cli import main
+
+    assert main(["view", "--headless", str(FIXTURE)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    steps = [e for e in fixture_events() if isinstance(e, RankStepFinished)]
+    assert out[0] == "examples/train_ddp.py · ddp: 60 steps, finished, final loss –"
+    header = out[1].split()
+    assert header[:5] == ["rank", "host", "local", "device", "steps"]
+    for rank in (0, 1):
+        row = dict(zip(header, out[2 + rank].split()))
+        mine = [s for s in steps if s.rank == rank]
+        assert (row["rank"], row["host"], row["local"], row["steps"]) == (str(rank), "node0", str(rank), "60")
+        for phase in ("data", "comm_wait"):
+            mean = sum(getattr(s, f"{phase}_ms") for s in mine) / len(mine)
+            assert float(row[phase]) == pytest.approx(mean, rel=0.01), (rank, phase)
+        own = sum(s.total_ms - s.comm_wait_ms for s in mine) / len(mine)
+        assert float(row["own"]) == pytest.approx(own, rel=0.01)
+        assert float(row["loss"]) == mine[-1].loss
+    assert out[-3:] == ["straggler verdicts:", "  step 24: rank 1 is the straggler: data +48.0 ms/step over 20 steps",
+                        "  step 45: no straggler any more"]
+
+
+def test_the_trace_of_a_ddp_log_has_a_track_per_rank_and_each_phase_at_its_start(tmp_path, capsys):
+    import json
+
+    from tui.cli import main
+
+    out = tmp_path / "trace.json"
+    assert main(["view", "--trace", str(out), str(FIXTURE)]) == 0
+    assert "approximate" not in capsys.readouterr().err  # the fixture has every phase's start
+    trace = json.loads(out.read_text())
+    tracks = {e["tid"]: e["args"]["name"] for e in trace if e.get("name") == "thread_name"}
+    assert {"rank 0", "rank 1"} <= set(tracks.values())
+    phases = ("data", "forward", "backward", "comm_wait", "optimizer", "other")
+    complete = [e for e in trace if e["ph"] == "X"]
+    for rank in (0, 1):
+        mine = [e for e in complete if tracks[e["tid"]] == f"rank {rank}"]
+        assert len(mine) == 60 * len(phases)
+    starts = {e["name"]: e["ts"] for e in trace if e["ph"] == "i"}
+    (record,) = [e for e in fixture_events() if isinstance(e, RankStepFinished) and e.rank == 1 and e.step == 30]
+    for phase in phases:
+        (event,) = [e for e in complete if e["name"] == phase and e["args"]["step"] == 30
+                    and tracks[e["tid"]] == "rank 1"]
+        assert event["ts"] == pytest.approx(starts["step 30"] + getattr(record, f"{phase}_start_ms") * 1000)
+        assert event["dur"] == pytest.approx(getattr(record, f"{phase}_ms") * 1000)

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from dpengine.eventlog.events import RankEnded, RankJoined, RankStepFinished, StragglerCleared, StragglerFound
+from dpengine.eventlog.summary import rank_end_words
 from dpengine.telemetry.sample import DeviceSample
 
 from . import format as fmt
@@ -70,15 +71,7 @@ def joined_line(event: RankJoined) -> str:
             f"on {event.device}, pid {event.pid}{again}")
 
 
-def ended_words(event: RankEnded) -> str:
-    """What a rank's end is, in the panel's words."""
-    if event.exit_code == 0:
-        return "finished"
-    if event.script_finished:
-        return "finished (teardown abort)"  # the script's last line ran: not a failure
-    if event.exit_code < 0:
-        return f"failed: signal {-event.exit_code}"
-    return f"failed: exit {event.exit_code}"
+ended_words = rank_end_words  # what a rank's end is, in the panel's words
 
 
 def ended_line(event: RankEnded) -> str:
