@@ -124,7 +124,7 @@ def test_the_stacked_bar_shares_its_cells_by_the_phases_ms():
     bar = stacked_bar({"data": 30.0, "forward": 10.0, "backward": 0.0, "comm_wait": 0.0, "optimizer": 0.0,
                        "other": 0.0}, 20)
     assert bar.plain == "█" * 20
-    assert [(s.end - s.start, s.style) for s in bar.spans] == [(15, "yellow"), (5, "blue")]
+    assert [(s.end - s.start, s.style) for s in bar.spans] == [(15, "yellow"), (5, "cyan")]
 
 
 def test_a_rank_panel_shows_the_phases_with_ms_loss_memory_and_telemetry():

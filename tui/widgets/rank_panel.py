@@ -16,8 +16,8 @@ from .text_lines import TextLines
 # One colour per phase, the same in the bar and its legend. Waiting is red: it is the others' doing.
 PHASE_STYLES = {
     "data": "yellow",
-    "forward": "blue",
-    "backward": "magenta",
+    "forward": "cyan",
+    "backward": "blue",
     "comm_wait": "red",
     "optimizer": "green",
     "other": "bright_black",
