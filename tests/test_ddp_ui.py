@@ -5,21 +5,27 @@ to 45)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
-from pilot import until
+from pilot import press, until
+from textual.app import App
+from ui_fakes import ScriptedTrainer, factory_of
 
 from dpengine.eventlog.events import (
     RankEnded,
     RankJoined,
     RankStepFinished,
+    StateChanged,
     StragglerCleared,
     StragglerFound,
     TelemetrySampled,
 )
 from dpengine.eventlog.reader import EventLogReader
 from dpengine.telemetry.sample import DeviceSample
+from tui.app import DptuiApp
+from tui.script.app import ScriptRunView, ScriptStatusBar
 from tui.state import RunView
 from tui.view.app import ViewerApp
 from tui.widgets.rank_panel import RankPanel, body_lines, stacked_bar
@@ -237,3 +243,72 @@ def test_the_trace_of_a_ddp_log_has_a_track_per_rank_and_each_phase_at_its_start
                     and tracks[e["tid"]] == "rank 1"]
         assert event["ts"] == pytest.approx(starts["step 30"] + getattr(record, f"{phase}_start_ms") * 1000)
         assert event["dur"] == pytest.approx(getattr(record, f"{phase}_ms") * 1000)
+
+
+# -- space pauses a DDP run; the status counts down to its collective timeout ---------------------
+
+
+class PausingDdpRun(ScriptedTrainer):
+    """A DDP run (the fixture's first steps) that pauses at once and says when its collectives time out."""
+
+    TIMEOUT_S = 1800.0
+
+    def __init__(self) -> None:
+        events = fixture_events()
+        fifth = next(i for i, e in enumerate(events) if isinstance(e, RankStepFinished) and e.step == 5)
+        super().__init__(events[:fifth])
+        self.paused_at: float | None = None
+
+    def _say(self, state: str, request: int) -> int:
+        for callback in list(self._subscribers):
+            callback(StateChanged(state, request))
+        return request
+
+    def pause(self) -> int:
+        self.paused_at = time.monotonic()
+        return self._say("paused", super().pause())
+
+    def resume(self) -> int:
+        self.paused_at = None
+        return self._say("running", super().resume())
+
+    def pause_deadline(self) -> float | None:
+        return None if self.paused_at is None else self.paused_at + self.TIMEOUT_S
+
+
+async def test_space_pauses_a_ddp_run_and_the_status_says_how_long_before_its_collective_timeout():
+    run = PausingDdpRun()
+    app = DptuiApp(factory_of(run))
+    async with app.run_test(size=(80, 24)):
+        await until(lambda: len(app.query(RankPanel)) == 2, "the rank panels")
+        status = lambda: str(app.status.render())  # noqa: E731
+        assert "left before the collective timeout" not in status()
+        await press(app, "space")
+        await until(lambda: ("pause",) in run.calls, "pause asked of the run")
+        await until(lambda: "● paused (29 min" in status(), "the countdown")
+        assert "left before the collective timeout fails the run" in status()
+        await press(app, "space")
+        await until(lambda: ("resume",) in run.calls, "resume asked of the run")
+        await until(lambda: "left before" not in status(), "no countdown once running")
+
+
+async def test_dptui_runs_status_bar_names_the_straggler_of_a_ddp_script():
+    class BarApp(App[None]):
+        def compose(self):
+            yield ScriptStatusBar("examples/train_ddp.py", id="status")
+
+    view = ScriptRunView("examples/train_ddp.py")
+    for event in fixture_events():
+        if isinstance(event, RankStepFinished) and event.step > 30:
+            break
+        view.feed(event)
+    app = BarApp()
+    async with app.run_test(size=(80, 24)) as pilot:
+        bar = app.query_one(ScriptStatusBar)
+        bar.show(view.snapshot())
+        await pilot.pause()
+        text = str(bar.render())
+        assert "examples/train_ddp.py │ 2 ranks │ step 30" in text
+        assert "loss 0.9223" in text  # rank 0's: a DDP script's loss is what its ranks' backward was called on
+        assert "rank 1 is the straggler: data +48.0 ms/step over 20 steps" in text
+        assert all(len(line) <= 80 for line in text.splitlines())

@@ -55,7 +55,24 @@ def pack_lines(parts: list[Text], width: int) -> Text:
     return Text("\n").join(lines)
 
 
-def status_text(snap: Snapshot, width: int) -> Text:
+def pause_left_words(seconds: float) -> str:
+    """`29 min 41 s left before the collective timeout fails the run`."""
+    minutes, secs = divmod(int(seconds), 60)
+    left = f"{minutes} min {secs} s" if minutes else f"{secs} s"
+    return f"{left} left before the collective timeout fails the run"
+
+
+def state_text(snap: Snapshot, pause_left_s: float | None = None, other_style: str = "") -> Text:
+    """`● paused: ...`, with a paused DDP run's time left before its collective timeout."""
+    state = Text(f"● {snap.state}", style=STATE_STYLES.get(snap.state, other_style))
+    if snap.pending:
+        state.append(f": {snap.pending}", style="magenta")
+    if pause_left_s is not None:
+        state.append(f" ({pause_left_words(pause_left_s)})", style="bold yellow" if pause_left_s > 60 else "bold red")
+    return state
+
+
+def status_text(snap: Snapshot, width: int, pause_left_s: float | None = None) -> Text:
     """One line when `width` allows, else the run on the first line and its health on the second."""
     epochs = f"/{snap.epochs}" if snap.epochs else ""
     sep = Text(" │ ", style="dim")
@@ -64,9 +81,7 @@ def status_text(snap: Snapshot, width: int) -> Text:
         Text(f"batch {snap.batch_size if snap.batch_size is not None else '–'}"),
         Text(f"epoch {snap.epoch}{epochs} step {snap.step_in_epoch}/{snap.steps_in_epoch} (#{snap.step})"),
     ])
-    state = Text(f"● {snap.state}", style=STATE_STYLES.get(snap.state, ""))
-    if snap.pending:
-        state.append(f": {snap.pending}", style="magenta")
+    state = state_text(snap, pause_left_s)
     timing = []
     if snap.replica_ms is not None and snap.even_ms is not None:
         # What auto-balance buys: the slowest replica now, and as an even split would predict it
@@ -91,10 +106,18 @@ class StatusBar(Static):
     """Re-lays itself out on resize, so a wrap chosen at one width does not stick."""
 
     _snap: Snapshot | None = None
+    pause_left_s: float | None = None  # a paused DDP run's time left before its collective timeout
 
     def show(self, snap: Snapshot) -> None:
         self._snap = snap
         self._draw()
+
+    def show_pause_left(self, seconds: float | None) -> None:
+        seconds = None if seconds is None else float(int(seconds))  # redrawn once a second, not more
+        if seconds != self.pause_left_s:
+            self.pause_left_s = seconds
+            if self._snap is not None:
+                self._draw()
 
     def on_resize(self) -> None:
         if self._snap is not None:
@@ -102,6 +125,6 @@ class StatusBar(Static):
 
     def _draw(self) -> None:
         assert self._snap is not None
-        text = status_text(self._snap, self.size.width)
+        text = status_text(self._snap, self.size.width, self.pause_left_s)
         # Lay the screen out again only when the bar grows or shrinks a line.
         self.update(text, layout=text.plain.count("\n") + 1 != self.size.height)
