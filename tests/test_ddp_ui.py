@@ -312,3 +312,12 @@ async def test_dptui_runs_status_bar_names_the_straggler_of_a_ddp_script():
         assert "loss 0.9223" in text  # rank 0's: a DDP script's loss is what its ranks' backward was called on
         assert "rank 1 is the straggler: data +48.0 ms/step over 20 steps" in text
         assert all(len(line) <= 80 for line in text.splitlines())
+
+
+def test_a_wide_rank_panel_shows_the_own_time_the_verdict_compares():
+    view = RunView()
+    for event in (joined(0), rank_step(0, 3, data=2.0, wait=40.0)):
+        view.feed(event)
+    rank = view.snapshot().ranks[0]
+    assert "own 15.5" in body_lines(rank, 70)[0].plain  # 55.5 ms step - 40 ms waiting
+    assert "own" not in body_lines(rank, 34)[0].plain  # an 80-column panel keeps its bar instead

@@ -23,6 +23,7 @@ PHASE_STYLES = {
     "other": "bright_black",
 }
 BLOCK = "█"
+MIN_BAR_WITH_OWN = 20  # cells the bar keeps when the step line also shows the own time
 
 
 def stacked_bar(phases: dict[str, float], width: int) -> Text:
@@ -89,6 +90,9 @@ def body_lines(view: RankView, width: int) -> list[Text]:
     else:
         phases = phase_ms(step)
         head = _line("step", f"{step.step} ", (f"{fmt.ms(step.total_ms)} ms", "bold"), " ")
+        own = Text.assemble(("own ", "dim"), fmt.ms(step.total_ms - phases["comm_wait"]), " ")
+        if width - head.cell_len - own.cell_len >= MIN_BAR_WITH_OWN:  # what the verdict compares, where it fits
+            head.append_text(own)
         lines.append(head.append_text(stacked_bar(phases, width - head.cell_len)))
         lines += legend_lines(phases, width)
         if step.peak_memory_bytes is not None and step.memory_bytes is not None:
