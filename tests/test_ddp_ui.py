@@ -5,6 +5,7 @@ to 45)."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -67,18 +68,25 @@ def test_the_fixture_is_what_its_generator_writes(tmp_path):
     assert (tmp_path / "ddp_run.jsonl").read_text() == FIXTURE.read_text()
 
 
-def test_each_rank_keeps_its_last_step_host_local_rank_and_device():
+def test_each_rank_shows_the_step_every_rank_has_reported_with_its_host_local_rank_and_device():
     view = RunView()
     for event in (joined(0), joined(1, host="node1"), rank_step(0, 0), rank_step(1, 0), rank_step(0, 1, data=7.0)):
         view.feed(event)
     snap = view.snapshot()
     assert [r.rank for r in snap.ranks] == [0, 1]
     zero, one = snap.ranks
-    assert zero.last.step == 1 and zero.last.data_ms == 7.0 and zero.steps == 2
-    assert one.last.step == 0 and one.host == "node1" and one.local_rank == 1 and one.device == "cpu"
-    assert snap.rank_step == 1
+    assert (zero.last.step, zero.steps, one.last.step) == (0, 2, 0)  # rank 0's step 1 waits for rank 1's
+    assert one.host == "node1" and one.local_rank == 1 and one.device == "cpu"
+    assert snap.rank_step == 0
     assert view.started  # ranks joined: steering keys work although no run_started came
     assert snap.loss == 0.5 and snap.loss_history == (0.5, 0.5)  # the lowest rank's
+    view.feed(rank_step(1, 1))
+    snap = view.snapshot()
+    assert [r.last.step for r in snap.ranks] == [1, 1] and snap.ranks[0].last.data_ms == 7.0
+    assert snap.rank_step == 1
+    view.feed(RankEnded(rank=1, exit_code=1, script_finished=False))
+    view.feed(rank_step(0, 2))
+    assert view.snapshot().rank_step == 2  # an ended rank holds no one back
 
 
 def test_the_verdict_in_force_marks_one_rank_until_it_is_cleared():
@@ -321,3 +329,62 @@ def test_a_wide_rank_panel_shows_the_own_time_the_verdict_compares():
     rank = view.snapshot().ranks[0]
     assert "own 15.5" in body_lines(rank, 70)[0].plain  # 55.5 ms step - 40 ms waiting
     assert "own" not in body_lines(rank, 34)[0].plain  # an 80-column panel keeps its bar instead
+
+
+# -- the index: where a DDP step is ---------------------------------------------------------------
+
+
+def test_a_ddp_step_is_where_its_last_rank_record_arrives_whatever_the_order():
+    from dpengine.eventlog.index import RankSteps
+
+    steps = RankSteps()
+    steps.restart(2)
+    # rank 0 is a step ahead of rank 1's records: step 0 completes with rank 1's, not at rank 0's step 1
+    assert [steps.add(s) for s in (0, 1, 0, 2, 1, 2)] == [(0, 0), (0, 0), (0, 1), (0, 0), (0, 1), (0, 1)]
+    # rank 1's step 3 was dropped: step 3 counts as complete when a record of step 5 comes
+    assert [steps.add(s) for s in (3, 4, 4, 5)] == [(0, 0), (0, 0), (0, 0), (1, 1)]
+    assert steps.add(3) == (0, 0)  # too late: counted already
+
+
+def test_without_a_world_size_a_ddp_step_ends_where_the_next_begins():
+    from dpengine.eventlog.index import RankSteps
+
+    steps = RankSteps()
+    assert [steps.add(s) for s in (0, 0, 1, 1, 2)] == [(0, 0), (0, 0), (1, 0), (0, 0), (1, 0)]
+
+
+def test_dptui_view_shows_every_ranks_record_of_a_step_when_they_came_out_of_order(tmp_path):
+    """Rank 1's records arrive a step late; step K of the viewer is still every rank's step K."""
+    lines = FIXTURE.read_text().splitlines(keepends=True)
+    ranks = [(i, json.loads(line)) for i, line in enumerate(lines) if '"type":"rank_step"' in line]
+    # Move each of rank 1's records after rank 0's record of the next step.
+    order = [i for i, _ in ranks if _["rank"] == 0]
+    late = {body["step"]: i for i, body in ranks if body["rank"] == 1}
+    shuffled = []
+    for i, body in ranks:
+        if body["rank"] == 0:
+            shuffled.append(i)
+            if body["step"] - 1 in late:
+                shuffled.append(late.pop(body["step"] - 1))
+    shuffled += late.values()
+    assert sorted(shuffled) == sorted(i for i, _ in ranks) and order
+    out, slots = [], iter(shuffled)
+    for i, line in enumerate(lines):
+        out.append(lines[next(slots)] if '"type":"rank_step"' in line else line)
+    log = tmp_path / "late.jsonl"
+    log.write_text("".join(out))
+
+    from dpengine.eventlog.index import LogIndex
+    from tui.view.replay import ReplayView
+
+    index = LogIndex(log)
+    try:
+        index.build()
+        index.finish()
+        assert index.step_count == 60
+        view = ReplayView(index)
+        view.move(to=30)
+        assert [r.last.step for r in view.snapshot().ranks] == [30, 30]
+        assert view.position == (31, 60)
+    finally:
+        index.close()

@@ -6,6 +6,9 @@ straggler verdict in force.
 snapshot. Telemetry samples are matched to ranks by device name: a sample named `rank N` is rank
 N's (what the host samples per rank: a CPU rank's own process), else a sample named as the rank's
 device is, when no other rank has that device (a GPU; CPU ranks all say "cpu").
+
+The panels show one step on every rank: the newest that every rank still running has reported
+(records come from each rank on its own, so one may be a step ahead of another).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ PHASES = ("data", "forward", "backward", "comm_wait", "optimizer", "other")
 PHASE_LABELS = {"data": "data", "forward": "fwd", "backward": "bwd", "comm_wait": "wait", "optimizer": "opt",
                 "other": "oth"}
 HISTORY_POINTS = 240  # the loss and rate charts, from the lowest rank's steps
+RECENT_STEPS = 8  # kept per rank: the step every rank has reported is among a rank's last few
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,9 +87,20 @@ def ended_line(event: RankEnded) -> str:
 @dataclass(slots=True)
 class _Rank:
     joined: RankJoined | None = None
-    last: RankStepFinished | None = None
+    recent: deque[RankStepFinished] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
     steps: int = 0
     ended: RankEnded | None = None
+
+    @property
+    def last(self) -> RankStepFinished | None:
+        return self.recent[-1] if self.recent else None
+
+    def at(self, step: int) -> RankStepFinished | None:
+        """Its newest record of a step up to `step`."""
+        for record in reversed(self.recent):
+            if record.step <= step:
+                return record
+        return None
 
 
 @dataclass(slots=True)
@@ -110,12 +125,13 @@ class RankBoard:
     def joined(self, event: RankJoined) -> None:
         state = self._rank(event.rank)
         if state.joined is not None and event.restart != state.joined.restart:
-            state.last, state.steps = None, 0  # a new generation starts its steps over
+            state.recent.clear()  # a new generation starts its steps over
+            state.steps = 0
         state.joined, state.ended = event, None
 
     def step(self, event: RankStepFinished) -> None:
         state = self._rank(event.rank)
-        state.last = event
+        state.recent.append(event)
         state.steps += 1
         if event.rank == min(self._ranks):  # the charts follow one rank: the lowest
             if event.loss is not None and event.loss == event.loss:
@@ -137,7 +153,10 @@ class RankBoard:
 
     @property
     def last_step(self) -> int:
-        """The newest step any rank finished (from 0), or -1."""
+        """The step the panels show (from 0): the newest every rank still running has reported; -1: none."""
+        running = [s.last.step for s in self._ranks.values() if s.last is not None and s.ended is None]
+        if running:
+            return min(running)
         return max((s.last.step for s in self._ranks.values() if s.last is not None), default=-1)
 
     @property
@@ -159,6 +178,7 @@ class RankBoard:
 
     def views(self, telemetry: Mapping[str, DeviceSample]) -> tuple[RankView, ...]:
         devices = [s.joined.device for s in self._ranks.values() if s.joined is not None]
+        shown = self.last_step
         views = []
         for rank in sorted(self._ranks):
             state = self._ranks[rank]
@@ -175,7 +195,7 @@ class RankBoard:
                 device=device,
                 node_rank=joined.node_rank if joined else 0,
                 restart=joined.restart if joined else 0,
-                last=state.last,
+                last=state.at(shown),
                 steps=state.steps,
                 sample=sample,
                 straggler=self.verdict if self.verdict is not None and self.verdict.rank == rank else None,

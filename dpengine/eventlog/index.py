@@ -10,9 +10,9 @@ One thread (the reader) writes the index; others read it. Lines that cannot be r
 counted in `skipped`, once each: those whose framing is broken when indexed, the others when
 they fail to decode.
 
-A DDP run's log has no `step` lines but a `rank_step` per rank per step: the first `rank_step` of
-each new step number counts as the step (the number read from the line's bytes), and the step
-shown runs to the line before the next one (`step_end`), so every rank's record of it is there.
+A DDP run's log has no `step` lines but a `rank_step` per rank per step, in the order the ranks'
+records came: a step's line is the one that completes it, the last of its world size of records
+(`RankSteps`; numbers read from the lines' bytes), so showing it shows every rank's record of it.
 """
 
 from __future__ import annotations
@@ -39,27 +39,63 @@ KINDS = {
 CONTEXT_KINDS = (RUN_STARTED, CONFIG, SPLIT, STATE, TELEMETRY, VERDICT)
 # ...and every line of these since the run started (each rank's).
 EVERY_KINDS = (RANK_JOINED, RANK_ENDED)
-_STEP_FIELD = b'"step":'
 
 
-def rank_step_number(line: bytes) -> int | None:
-    """The step number of a `rank_step` line, read from its bytes (None if it has none)."""
-    at = line.find(_STEP_FIELD)
-    if at < 0:
+def int_field(line: bytes, name: str) -> int | None:
+    """An integer field of a line, read from its bytes where the writer's (`"name":12`), else parsed."""
+    key = f'"{name}":'.encode()
+    at = line.find(key)
+    if at >= 0:
+        at += len(key)
+        end = at
+        while end < len(line) and line[end] in b" -0123456789":
+            end += 1
         try:
-            data = json.loads(line)
+            return int(line[at:end])
         except ValueError:
-            return None
-        step = data.get("step") if isinstance(data, dict) else None
-        return step if type(step) is int else None
-    at += len(_STEP_FIELD)
-    end = at
-    while end < len(line) and line[end] in b" -0123456789":
-        end += 1
+            pass
     try:
-        return int(line[at:end])
+        data = json.loads(line)
     except ValueError:
         return None
+    value = data.get(name) if isinstance(data, dict) else None
+    return value if type(value) is int else None
+
+
+class RankSteps:
+    """Which `rank_step` lines complete a DDP step: the one that brings its records to the world size.
+
+    A step's records can come in any order and interleaved with the next step's (each rank sends its
+    own), but a rank's own steps come in order. Steps complete in order; one that cannot complete (a
+    rank's record dropped) counts as complete once a record two steps on arrives, and without a
+    world size (a log without the ranks' joining) once a record of the next step arrives.
+    """
+
+    def __init__(self) -> None:
+        self.restart(0)
+
+    def restart(self, world_size: int) -> None:
+        """A new run or generation (a rank joined): steps count from 0 again."""
+        self.world_size = world_size
+        self.counts: dict[int, int] = {}
+        self.next = 0  # the first step not yet complete
+
+    def add(self, step: int | None) -> tuple[int, int]:
+        """One rank's record of `step`: (N, M), N steps completed before this line and M by it."""
+        before = by = 0
+        if step is None or step < self.next:
+            return 0, 0  # a record of a step counted already (late, or a second run's)
+        # Without a world size, a record of the next step completes this one.
+        while self.next < step - (1 if self.world_size else 0):
+            self.counts.pop(self.next, None)
+            self.next += 1
+            before += 1
+        self.counts[step] = self.counts.get(step, 0) + 1
+        while self.world_size and self.counts.get(self.next, 0) >= self.world_size:
+            del self.counts[self.next]
+            self.next += 1
+            by += 1
+        return before, by
 
 CHUNK_BYTES = 1 << 22  # per read while indexing: stop() and the UI are seen between chunks
 TAIL_BYTES = 1 << 20  # the first read of the tail; doubled until it holds enough steps
@@ -118,7 +154,7 @@ class LogIndex:
         self._end = 0  # just past the last whole line indexed
         self._steps = array("q")  # line numbers of the steps
         self._context = {kind: array("q") for kind in (*CONTEXT_KINDS, *EVERY_KINDS, ENDED)}
-        self._rank_step = -1  # the newest rank_step number indexed: a greater one is the next step
+        self._rank_steps = RankSteps()
         self._bad = 0  # lines indexed as BAD
         self._undecodable: set[int] = set()  # well-framed lines that failed to decode
         self._mark = Mark()
@@ -211,16 +247,19 @@ class LogIndex:
                 kind = line_kind(data[i:j])
             starts.append(base + i)
             kinds.append(kind)
-            if kind == RANK_STEP and self._next_rank_step(data[i:j]):
-                steps.append(line)
+            if kind == RANK_STEP:
+                before, by = self._rank_steps.add(int_field(data[i:j], "step"))
+                steps.extend([line - 1] * before + [line] * by)
             elif kind == STEP:
                 steps.append(line)
             elif kind == BAD:
                 bad += 1
             elif kind in context:
                 context[kind].append(line)
-                if kind in (RUN_STARTED, RANK_JOINED):
-                    self._rank_step = -1  # a new run or generation counts its steps from 0 again
+                if kind == RUN_STARTED:
+                    self._rank_steps.restart(0)
+                elif kind == RANK_JOINED:  # a rank of a new run or generation: steps count from 0 again
+                    self._rank_steps.restart(int_field(data[i:j], "world_size") or 0)
             line += 1
             i = j + 1
         with self._lock:
@@ -242,20 +281,15 @@ class LogIndex:
                 self._starts.append(self._end)
                 kind = line_kind(rest)
                 self._kinds.append(kind)
-                if kind == STEP or (kind == RANK_STEP and self._next_rank_step(rest)):
+                if kind == STEP:
                     self._steps.append(len(self._starts) - 1)
+                elif kind == RANK_STEP:
+                    before, by = self._rank_steps.add(int_field(rest, "step"))
+                    self._steps.extend([len(self._starts) - 2] * before + [len(self._starts) - 1] * by)
                 elif kind in self._context:
                     self._context[kind].append(len(self._starts) - 1)
                 self._end += len(rest)
                 self.changes += 1
-
-    def _next_rank_step(self, line: bytes) -> bool:
-        """Whether this rank_step line is the first of a new step (the reader thread's)."""
-        step = rank_step_number(line)
-        if step is None or step <= self._rank_step:
-            return False
-        self._rank_step = step
-        return True
 
     def replaced(self) -> bool:
         """Whether the path names another file now (rotated), or this one no longer holds what
@@ -306,15 +340,6 @@ class LogIndex:
     def step_line(self, step: int) -> int:
         """The line number of step `step` (from 0)."""
         return self._steps[step]
-
-    def step_end(self, step: int) -> int:
-        """The last line of step `step` (from 0): its own line, or for a DDP step the line before
-        the next step's first (every rank's record of it), or the last line."""
-        with self._lock:
-            line = self._steps[step]
-            if self._kinds[line] != RANK_STEP:
-                return line
-            return self._steps[step + 1] - 1 if step + 1 < len(self._steps) else len(self._starts) - 1
 
     def latest_before(self, line: int) -> list[int]:
         """What was in force before `line`: the line numbers of the latest line of each context

@@ -100,7 +100,7 @@ class ReplayView:
         if count:
             last = count - 1 if target is None else target
             first = index.step_line(max(0, last - HISTORY_POINTS + 1))
-            end = index.line_count - 1 if target is None else index.step_end(last)
+            end = index.line_count - 1 if target is None else index.step_line(last)
         else:  # no step yet: the run's start and what followed it
             end = index.line_count - 1
             first = max(0, end - HISTORY_POINTS)
@@ -131,7 +131,7 @@ class ReplayView:
                 self._rebuild(self._cursor)  # the window starts before what is fed, or far after it
                 return True
             # On from the shown step: its window is fed already.
-            self._feed_to(self._index.line_count - 1 if self._cursor is None else self._index.step_end(target))
+            self._feed_to(self._index.line_count - 1 if self._cursor is None else self._index.step_line(target))
             return False
 
     def _feed_to(self, line: int) -> None:
