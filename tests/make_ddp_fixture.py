@@ -29,7 +29,7 @@ from dpengine.eventlog.events import (  # noqa: E402
     TelemetrySampled,
     to_json_dict,
 )
-from dpengine.telemetry.sample import DeviceSample  # noqa: E402
+from dpengine.telemetry.sample import DeviceSample, rank_device  # noqa: E402
 
 FIXTURE = ROOT / "tests" / "fixtures" / "ddp_run.jsonl"
 STEPS = 60
@@ -79,7 +79,7 @@ def _steps(rng: random.Random) -> list[list[RankStepFinished]]:
 
 def _telemetry(step: int) -> TelemetrySampled:
     return TelemetrySampled(tuple(
-        DeviceSample(device=f"rank {rank}", name="rank process", timestamp=float(step),
+        DeviceSample(device=rank_device(rank), name="rank process", timestamp=float(step),
                      utilization_pct=(92.0, 61.0)[rank],
                      memory_used_bytes=(412 + rank) * MIB, memory_total_bytes=8192 * MIB,
                      missing=dict.fromkeys(("temperature_c", "power_w", "power_limit_w", "sm_clock_mhz"),

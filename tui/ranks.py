@@ -3,9 +3,10 @@ straggler verdict in force.
 
 `RankBoard` is fed the rank events (`rank_joined`, `rank_step`, `straggler`, `straggler_cleared`,
 `rank_ended`) by `RunView`, under its lock, and builds the frozen views when the UI pulls a
-snapshot. Telemetry samples are matched to ranks by device name: a sample named `rank N` is rank
-N's (what the host samples per rank: a CPU rank's own process), else a sample named as the rank's
-device is, when no other rank has that device (a GPU; CPU ranks all say "cpu").
+snapshot. Telemetry samples are matched to ranks by device name: a sample named `rank N` (`rank_device`) is
+rank N's (what the host samples per rank: a CPU rank's own process, a GPU of a node), else a sample
+named as the rank's device is, when no other rank has that device (CPU ranks all say "cpu", and
+two nodes may both have a cuda:0).
 
 The panels show one step on every rank: the newest that every rank still running has reported
 (records come from each rank on its own, so one may be a step ahead of another).
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 
 from dpengine.eventlog.events import RankEnded, RankJoined, RankStepFinished, StragglerCleared, StragglerFound
 from dpengine.eventlog.summary import rank_end_words
-from dpengine.telemetry.sample import DeviceSample
+from dpengine.telemetry.sample import DeviceSample, rank_device
 
 from . import format as fmt
 
@@ -184,7 +185,7 @@ class RankBoard:
             state = self._ranks[rank]
             joined, ended = state.joined, state.ended
             device = joined.device if joined else ""
-            sample = telemetry.get(f"rank {rank}")
+            sample = telemetry.get(rank_device(rank))
             if sample is None and device and devices.count(device) == 1:
                 sample = telemetry.get(device)
             failed = ended is not None and ended.exit_code != 0 and not ended.script_finished
