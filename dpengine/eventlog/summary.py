@@ -24,7 +24,7 @@ from .events import (
     StragglerFound,
 )
 
-RANK_PHASES = ("data", "forward", "backward", "comm_wait", "optimizer", "other")
+STEP_PHASES = ("data", "forward", "backward", "comm_wait", "optimizer", "other")
 MAX_VERDICTS = 50  # kept for the summary; a run whose verdict flips more often says how many more
 
 
@@ -39,13 +39,13 @@ class DeviceSummary:
 
 
 @dataclass(frozen=True, slots=True)
-class RankSummary:
+class RankFigures:
     rank: int
     host: str
     local_rank: int | None  # None: its joining is not in the log
     device: str
     steps: int
-    phase_ms: dict[str, float | None]  # mean per phase, in RANK_PHASES order
+    phase_ms: dict[str, float | None]  # mean per phase, in STEP_PHASES order
     total_ms: float | None  # mean step
     own_ms: float | None  # mean step minus comm_wait: what the straggler verdict compares
     loss: float | None  # its last step's
@@ -79,13 +79,13 @@ class _Device:
         self.peak: int | None = None
 
 
-class _Rank:
+class _RankSums:
     __slots__ = ("joined", "steps", "phases", "total", "own", "loss", "peak", "ended")
 
     def __init__(self) -> None:
         self.joined: RankJoined | None = None
         self.steps = 0
-        self.phases = {phase: _Mean() for phase in RANK_PHASES}
+        self.phases = {phase: _Mean() for phase in STEP_PHASES}
         self.total, self.own = _Mean(), _Mean()
         self.loss: float | None = None
         self.peak: int | None = None
@@ -106,7 +106,7 @@ class RunSummary:
         self.steps = 0
         self._devices: dict[str, _Device] = {}
         self._following: str | None = None  # `dptui run`: the instance the panels follow
-        self._ranks: dict[int, _Rank] = {}
+        self._ranks: dict[int, _RankSums] = {}
         self.verdicts: list[StragglerFound | StragglerCleared] = []  # the first MAX_VERDICTS, in order
         self.more_verdicts = 0  # found or cleared after those
 
@@ -148,16 +148,16 @@ class RunSummary:
         if peak is not None and (device.peak is None or peak > device.peak):
             device.peak = peak
 
-    def _rank(self, rank: int) -> _Rank:
+    def _rank(self, rank: int) -> _RankSums:
         state = self._ranks.get(rank)
         if state is None:
-            state = self._ranks[rank] = _Rank()
+            state = self._ranks[rank] = _RankSums()
         return state
 
     def _add_rank_step(self, step: RankStepFinished) -> None:
         rank = self._rank(step.rank)
         rank.steps += 1
-        for phase in RANK_PHASES:
+        for phase in STEP_PHASES:
             rank.phases[phase].add(_number(getattr(step, f"{phase}_ms")))
         total, wait = _number(step.total_ms), _number(step.comm_wait_ms)
         rank.total.add(total)
@@ -169,19 +169,19 @@ class RunSummary:
         if isinstance(peak, int) and (rank.peak is None or peak > rank.peak):
             rank.peak = peak
 
-    def ranks(self) -> tuple[RankSummary, ...]:
+    def ranks(self) -> tuple[RankFigures, ...]:
         """One summary per rank of a DDP run, by rank; () for other runs."""
         out = []
         for number in sorted(self._ranks):
             rank = self._ranks[number]
             joined, ended = rank.joined, rank.ended
-            out.append(RankSummary(
+            out.append(RankFigures(
                 rank=number,
                 host=(joined.host if joined else "") or (ended.host if ended else ""),
                 local_rank=joined.local_rank if joined else None,
                 device=joined.device if joined else "",
                 steps=rank.steps,
-                phase_ms={phase: rank.phases[phase].value for phase in RANK_PHASES},
+                phase_ms={phase: rank.phases[phase].value for phase in STEP_PHASES},
                 total_ms=rank.total.value,
                 own_ms=rank.own.value,
                 loss=rank.loss,
@@ -255,12 +255,12 @@ def _size(n: int | None) -> str:
 
 def rank_lines(summary: RunSummary) -> list[str]:
     """A table with one row per rank (mean ms per phase), then the straggler verdicts seen."""
-    rows = [("rank", "host", "local", "device", "steps", *RANK_PHASES, "step", "own", "loss", "peak memory",
+    rows = [("rank", "host", "local", "device", "steps", *STEP_PHASES, "step", "own", "loss", "peak memory",
              "end")]
     for r in summary.ranks():
         loss = "–" if r.loss is None else f"{r.loss:.4f}"
         local = "–" if r.local_rank is None else str(r.local_rank)
-        phases = (_ms(r.phase_ms[p]) for p in RANK_PHASES)
+        phases = (_ms(r.phase_ms[p]) for p in STEP_PHASES)
         rows.append((str(r.rank), r.host or "–", local, r.device or "–", str(r.steps), *phases, _ms(r.total_ms),
                      _ms(r.own_ms), loss, _size(r.peak_memory_bytes), r.end or "–"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
