@@ -388,3 +388,10 @@ def test_dptui_view_shows_every_ranks_record_of_a_step_when_they_came_out_of_ord
         assert view.position == (31, 60)
     finally:
         index.close()
+
+
+def test_the_trace_counts_a_ddp_step_once_however_many_ranks_report_it(tmp_path, capsys):
+    from tui.cli import main
+
+    assert main(["view", "--trace", str(tmp_path / "trace.json"), str(FIXTURE)]) == 0
+    assert "60 steps of 1 run written to" in capsys.readouterr().err

@@ -154,7 +154,8 @@ class TraceWriter:
     def _rank_step(self, data: dict[str, Any]) -> None:
         run = self._current()
         step = data.get("step")
-        if step != run.rank_step:  # the first rank of the next step: it starts where the last ended
+        new_step = step != run.rank_step
+        if new_step:  # the first rank of the next step: it starts where the last ended
             run.rank_start_us = max(run.end_us, run.rank_start_us + run.rank_span_us * 1000)
             run.rank_step, run.rank_span_us = step, 0.0
             self._instant(run, step, run.rank_start_us)
@@ -173,7 +174,7 @@ class TraceWriter:
                 at = max(at, start + duration)
         total = _ms(data.get("total_ms"))
         run.rank_span_us = max(run.rank_span_us, total if total is not None else at)
-        self._lay_out(run, step, run.rank_start_us, phases, exact, instant=False)
+        self._lay_out(run, step, run.rank_start_us, phases, exact, instant=False, count=new_step)
         run.end_us = max(run.end_us, run.rank_start_us + run.rank_span_us * 1000)
 
     # -- writing ----------------------------------------------------------------------
@@ -184,7 +185,9 @@ class TraceWriter:
             self._run = _Run(self.runs, f"run {self.runs}")
         return self._run
 
-    def _lay_out(self, run: _Run, step: Any, start_us: float, phases, exact: bool, instant: bool = True) -> None:
+    def _lay_out(self, run: _Run, step: Any, start_us: float, phases, exact: bool, instant: bool = True,
+                 count: bool = True) -> None:
+        """Write one step's phases (`count`: as a step of its own; a DDP step counts once, not per rank)."""
         if not run.named:
             run.named = True
             name = run.name if exact else f"{run.name} ({APPROXIMATE})"
@@ -192,8 +195,9 @@ class TraceWriter:
             self._emit({"name": "process_labels", "ph": "M", "pid": run.pid,
                         "args": {"labels": "exact phase start times" if exact else APPROXIMATE}})
         self.approximate = self.approximate or not exact
-        run.steps += 1
-        self.steps += 1
+        if count:
+            run.steps += 1
+            self.steps += 1
         if instant:
             self._instant(run, step, start_us)
         # The bulk of a trace: formatted directly (json.dumps per event costs more than the rest).
