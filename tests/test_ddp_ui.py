@@ -395,3 +395,32 @@ def test_the_trace_counts_a_ddp_step_once_however_many_ranks_report_it(tmp_path,
 
     assert main(["view", "--trace", str(tmp_path / "trace.json"), str(FIXTURE)]) == 0
     assert "60 steps of 1 run written to" in capsys.readouterr().err
+
+
+def test_a_ranks_late_record_goes_into_its_own_step_in_the_trace():
+    from dpengine.eventlog.trace import TraceWriter
+
+    def record(rank: int, step: int) -> dict:
+        return {"type": "rank_step", "rank": rank, "step": step, "data_ms": 1.0, "forward_ms": 2.0,
+                "backward_ms": 3.0, "comm_wait_ms": 0.5, "optimizer_ms": 1.0, "other_ms": 0.5, "total_ms": 8.0}
+
+    class Out:
+        text = ""
+
+        def write(self, text: str) -> None:
+            self.text += text
+
+        def flush(self) -> None:
+            pass
+
+    out = Out()
+    writer = TraceWriter(out)
+    for rank, step in ((0, 0), (1, 0), (0, 1), (0, 2), (1, 1), (1, 2)):  # rank 1's step 1 after rank 0's step 2
+        writer.add(record(rank, step))
+    writer.close()
+    trace = json.loads(out.text)
+    starts = {e["name"]: e["ts"] for e in trace if e["ph"] == "i"}
+    assert [starts[f"step {n}"] for n in (0, 1, 2)] == [0.0, 8000.0, 16000.0]
+    data = {(e["tid"], e["args"]["step"]): e["ts"] for e in trace if e["ph"] == "X" and e["name"] == "data"}
+    assert sorted(data.values()) == [0.0, 0.0, 8000.0, 8000.0, 16000.0, 16000.0]
+    assert writer.steps == 3
