@@ -424,3 +424,29 @@ def test_a_ranks_late_record_goes_into_its_own_step_in_the_trace():
     data = {(e["tid"], e["args"]["step"]): e["ts"] for e in trace if e["ph"] == "X" and e["name"] == "data"}
     assert sorted(data.values()) == [0.0, 0.0, 8000.0, 8000.0, 16000.0, 16000.0]
     assert writer.steps == 3
+
+
+def test_a_restarted_generation_starts_its_steps_and_verdict_anew():
+    view = RunView()
+    for event in (joined(0), joined(1), rank_step(0, 40), rank_step(1, 40),
+                  StragglerFound(step=40, rank=1, phase="data", excess_ms=48.0, window=20)):
+        view.feed(event)
+    again = RankJoined(rank=0, local_rank=0, world_size=2, host="node0", pid=300, device="cpu", restart=1)
+    view.feed(again)
+    snap = view.snapshot()
+    assert snap.straggler is None and snap.ranks[0].last is None and snap.ranks[0].steps == 0
+
+
+async def test_dptui_view_follows_a_ddp_log_as_it_grows(tmp_path):
+    lines = FIXTURE.read_text().splitlines(keepends=True)
+    half = next(i for i, line in enumerate(lines) if '"step":30,' in line)
+    log = tmp_path / "growing.jsonl"
+    log.write_text("".join(lines[:half]))
+    app = ViewerApp(log, follow=True, poll_s=0.05)
+    async with app.run_test(size=(80, 24)):
+        await until(lambda: app.replay.indexing is None and len(app.query(RankPanel)) == 2, "two rank panels")
+        await until(lambda: app.replay.position == (30, 30), "the steps written so far")
+        with log.open("a") as file:
+            file.write("".join(lines[half:]))
+        await until(lambda: app.replay.position == (60, 60), "the steps written since")
+        await until(lambda: [p.view.last.step for p in app.query(RankPanel)] == [59, 59], "the last step shown")

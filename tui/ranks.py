@@ -128,6 +128,7 @@ class RankBoard:
         if state.joined is not None and event.restart != state.joined.restart:
             state.recent.clear()  # a new generation starts its steps over
             state.steps = 0
+            self.verdict = self.cleared = None  # the last generation's verdict is no news of this one
         state.joined, state.ended = event, None
 
     def step(self, event: RankStepFinished) -> None:
