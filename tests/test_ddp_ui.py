@@ -450,3 +450,14 @@ async def test_dptui_view_follows_a_ddp_log_as_it_grows(tmp_path):
             file.write("".join(lines[half:]))
         await until(lambda: app.replay.position == (60, 60), "the steps written since")
         await until(lambda: [p.view.last.step for p in app.query(RankPanel)] == [59, 59], "the last step shown")
+
+
+def test_a_gpu_ranks_panel_shows_its_gpus_nvml_figures():
+    view = RunView()
+    view.feed(joined(0, device="cuda:0"))
+    view.feed(rank_step(0, 1))
+    gpu = DeviceSample(device="cuda:0", name="NVIDIA H200", timestamp=0.0, utilization_pct=87.0,
+                       memory_used_bytes=20 << 30, memory_total_bytes=141 << 30, temperature_c=61.0, power_w=412.0)
+    view.feed(TelemetrySampled((gpu,)))
+    last = body_lines(view.snapshot().ranks[0], 60)[-1].plain
+    assert last.split() == ["util", "87%", "61°C", "412", "W", "20.0/141", "GiB"]
