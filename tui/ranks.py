@@ -3,10 +3,10 @@ straggler verdict in force.
 
 `RankBoard` is fed the rank events (`rank_joined`, `rank_step`, `straggler`, `straggler_cleared`,
 `rank_ended`) by `RunView`, under its lock, and builds the frozen views when the UI pulls a
-snapshot. Telemetry samples are matched to ranks by device name: a sample named `rank N` (`rank_device`) is
-rank N's (what the host samples per rank: a CPU rank's own process, a GPU of a node), else a sample
-named as the rank's device is, when no other rank has that device (CPU ranks all say "cpu", and
-two nodes may both have a cuda:0).
+snapshot. Telemetry samples are matched to ranks by device name: a sample named `rank N`
+(`rank_device`) is rank N's (what the host samples per rank: a CPU rank's own process, a GPU of a
+node), else a sample named as the rank's device is, when no other rank has that device (CPU ranks
+all say "cpu", and two nodes may both have a cuda:0).
 
 The panels show one step on every rank: the newest that every rank still running has reported
 (records come from each rank on its own, so one may be a step ahead of another).
@@ -18,14 +18,21 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from dpengine.eventlog.events import RankEnded, RankJoined, RankStepFinished, StragglerCleared, StragglerFound
+from dpengine.eventlog.events import (
+    RANK_STEP_PHASES,
+    RankEnded,
+    RankJoined,
+    RankStepFinished,
+    StragglerCleared,
+    StragglerFound,
+)
 from dpengine.eventlog.summary import rank_end_words
 from dpengine.telemetry.sample import DeviceSample, rank_device
 
 from . import format as fmt
 
 # A step's phases in the order they happen, with the short names the panels show.
-PHASES = ("data", "forward", "backward", "comm_wait", "optimizer", "other")
+PHASES = RANK_STEP_PHASES
 PHASE_LABELS = {"data": "data", "forward": "fwd", "backward": "bwd", "comm_wait": "wait", "optimizer": "opt",
                 "other": "oth"}
 HISTORY_POINTS = 240  # the loss and rate charts, from the lowest rank's steps
@@ -76,11 +83,8 @@ def joined_line(event: RankJoined) -> str:
             f"on {event.device}, pid {event.pid}{again}")
 
 
-ended_words = rank_end_words  # what a rank's end is, in the panel's words
-
-
 def ended_line(event: RankEnded) -> str:
-    words = ended_words(event)
+    words = rank_end_words(event)
     where = f" on {event.host}" if event.host else ""
     return f"rank {event.rank}{where} {words}" + (f": {event.error}" if event.error else "")
 
@@ -201,7 +205,7 @@ class RankBoard:
                 steps=state.steps,
                 sample=sample,
                 straggler=self.verdict if self.verdict is not None and self.verdict.rank == rank else None,
-                ended=ended_words(ended) if ended else "",
+                ended=rank_end_words(ended) if ended else "",
                 failed=failed,
                 error=ended.error if ended else "",
             ))

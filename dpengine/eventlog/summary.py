@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .events import (
+    RANK_STEP_PHASES,
     RankEnded,
     RankJoined,
     RankStepFinished,
@@ -24,7 +25,7 @@ from .events import (
     StragglerFound,
 )
 
-STEP_PHASES = ("data", "forward", "backward", "comm_wait", "optimizer", "other")
+STEP_PHASES = RANK_STEP_PHASES
 MAX_VERDICTS = 50  # kept for the summary; a run whose verdict flips more often says how many more
 
 
