@@ -461,3 +461,23 @@ def test_a_gpu_ranks_panel_shows_its_gpus_nvml_figures():
     view.feed(TelemetrySampled((gpu,)))
     last = body_lines(view.snapshot().ranks[0], 60)[-1].plain
     assert last.split() == ["util", "87%", "61°C", "412", "W", "20.0/141", "GiB"]
+
+
+def test_a_damaged_rank_step_shows_dashes_not_a_crash(capsys):
+    from dpengine.eventlog.reader import read_line
+    from dpengine.eventlog.summary import RunSummary, rank_lines
+
+    (bad,) = read_line(b'{"type":"rank_step","rank":0,"step":3,"data_ms":"x","forward_ms":null,"backward_ms":1,'
+                       b'"comm_wait_ms":1e999,"optimizer_ms":1,"other_ms":1,"total_ms":"bad","loss":"z",'
+                       b'"samples":"y","micro_batches":null,"memory_bytes":"m","peak_memory_bytes":null}')
+    view = RunView()
+    view.feed(joined(0))
+    view.feed(bad)
+    snap = view.snapshot()
+    lines = [line.plain for line in body_lines(snap.ranks[0], 70)]
+    assert lines[0].startswith("step  3 – ms own –")
+    assert "data –" in lines[1] and "wait –" in lines[1] and "loss  –" in lines[2]
+    assert snap.samples_per_s is None and "loss –" in status_text(snap, 80).plain
+    summary = RunSummary()
+    summary.feed(bad)
+    assert rank_lines(summary)[1].split()[:5] == ["0", "–", "–", "–", "1"]

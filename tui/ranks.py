@@ -60,11 +60,7 @@ class RankView:
 
 def phase_ms(step: RankStepFinished) -> dict[str, float]:
     """The step's phases in ms, in order (a missing or bad value counts 0)."""
-    out = {}
-    for phase in PHASES:
-        value = getattr(step, f"{phase}_ms")
-        out[phase] = value if isinstance(value, (int, float)) and value == value and value >= 0 else 0.0
-    return out
+    return {phase: _number(getattr(step, f"{phase}_ms")) for phase in PHASES}
 
 
 def straggler_line(verdict: StragglerFound) -> str:
@@ -87,6 +83,11 @@ def ended_line(event: RankEnded) -> str:
     words = rank_end_words(event)
     where = f" on {event.host}" if event.host else ""
     return f"rank {event.rank}{where} {words}" + (f": {event.error}" if event.error else "")
+
+
+def _number(value: object) -> float:
+    """A duration as a finite number not below 0, else 0 (a damaged record reads NaN or None)."""
+    return float(value) if isinstance(value, (int, float)) and 0 <= value < float("inf") else 0.0
 
 
 @dataclass(slots=True)
@@ -167,20 +168,21 @@ class RankBoard:
 
     @property
     def loss(self) -> float | None:
-        """The lowest rank's last loss (each rank has its own; the chart follows the same one)."""
+        """The lowest rank's loss at the shown step (each rank has its own; the chart follows the same one)."""
+        shown = self.last_step
         for rank in sorted(self._ranks):
-            last = self._ranks[rank].last
-            if last is not None:
-                return last.loss
+            record = self._ranks[rank].at(shown)
+            if record is not None:
+                return record.loss
         return None
 
     def samples_per_s(self) -> float | None:
         """Every rank's last step's samples over the slowest of those steps (they run in lockstep)."""
         lasts = [s.last for s in self._ranks.values() if s.last is not None]
-        slowest = max((step.total_ms for step in lasts if step.total_ms == step.total_ms), default=0.0)
+        slowest = max((_number(step.total_ms) for step in lasts), default=0.0)
         if not lasts or slowest <= 0:
             return None
-        return sum(step.samples for step in lasts) / (slowest / 1000)
+        return sum(step.samples for step in lasts if isinstance(step.samples, int)) / (slowest / 1000)
 
     def views(self, telemetry: Mapping[str, DeviceSample]) -> tuple[RankView, ...]:
         devices = [s.joined.device for s in self._ranks.values() if s.joined is not None]

@@ -44,8 +44,8 @@ def stacked_bar(phases: dict[str, float], width: int) -> Text:
     return bar
 
 
-def legend_lines(phases: dict[str, float], width: int) -> list[Text]:
-    """`■data 48.0 ■fwd 6.21 ...` wrapped to `width`, in the phases' order."""
+def legend_lines(phases: dict[str, float | None], width: int) -> list[Text]:
+    """`■data 48.0 ■fwd 6.21 ...` wrapped to `width`, in the phases' order ("–" for one not recorded)."""
     lines: list[Text] = []
     line = Text(no_wrap=True)
     for phase in PHASES:
@@ -90,11 +90,12 @@ def body_lines(view: RankView, width: int) -> list[Text]:
     else:
         phases = phase_ms(step)
         head = _line("step", f"{step.step} ", (f"{fmt.ms(step.total_ms)} ms", "bold"), " ")
-        own = Text.assemble(("own ", "dim"), fmt.ms(step.total_ms - phases["comm_wait"]), " ")
+        total = step.total_ms if isinstance(step.total_ms, (int, float)) else None
+        own = Text.assemble(("own ", "dim"), fmt.ms(None if total is None else total - phases["comm_wait"]), " ")
         if width - head.cell_len - own.cell_len >= MIN_BAR_WITH_OWN:  # what the verdict compares, where it fits
             head.append_text(own)
         lines.append(head.append_text(stacked_bar(phases, width - head.cell_len)))
-        lines += legend_lines(phases, width)
+        lines += legend_lines({p: getattr(step, f"{p}_ms") for p in PHASES}, width)
         if step.peak_memory_bytes is not None and step.memory_bytes is not None:
             memory = fmt.sizes(step.memory_bytes, step.peak_memory_bytes, " pk ")
         else:
