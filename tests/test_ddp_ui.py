@@ -481,3 +481,19 @@ def test_a_damaged_rank_step_shows_dashes_not_a_crash(capsys):
     summary = RunSummary()
     summary.feed(bad)
     assert rank_lines(summary)[1].split()[:5] == ["0", "–", "–", "–", "1"]
+
+
+def test_the_first_screen_of_a_long_ddp_log_has_its_ranks_hosts_before_the_index_is_done(monkeypatch):
+    from dpengine.eventlog import index as index_module
+    from tui.view.replay import ReplayView
+
+    monkeypatch.setattr(index_module, "TAIL_BYTES", 4096)  # the fixture's tail holds no joining
+    index = index_module.LogIndex(FIXTURE)
+    try:
+        index.read_tail(5)
+        assert not any(b'"rank_joined"' in line for line in index.tail)
+        snap = ReplayView(index).snapshot()
+        assert "reading the log" in snap.pending
+        assert [(r.host, r.local_rank, r.last.step) for r in snap.ranks] == [("node0", 0, 59), ("node0", 1, 59)]
+    finally:
+        index.close()

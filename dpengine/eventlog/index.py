@@ -160,7 +160,8 @@ class LogIndex:
         self._mark = Mark()
         self.size_at_open = os.fstat(self._fd).st_size
         self.tail: list[bytes] = []  # the first screen's lines, read before the index reaches them
-        self.head: bytes | None = None  # the first run_started line, for a tail that has none
+        # The first run_started line (and the ranks' joining after it), for a tail that has none.
+        self.head: list[bytes] = []
         self.done = False  # indexed up to size_at_open: positions are exact from now on
         self.shown = threading.Event()  # the tail is on the screen: indexing may take the CPU
         self.changes = 0  # bumps whenever the index grew
@@ -186,24 +187,29 @@ class LogIndex:
         first = at[-steps] if steps and len(at) >= steps else (at[0] if at else len(lines))
         keep = [*_context_before(kinds, first), *range(first, len(lines))]
         found = any(kinds[i] == RUN_STARTED for i in keep)
-        head = None if found or start == 0 else self._first_run_started()
+        head = [] if found or start == 0 else self._head_lines()
         with self._lock:
             self.tail = [lines[i] for i in keep if kinds[i] != BAD]
             self.head = head
             self.changes += 1
 
-    def _first_run_started(self) -> bytes | None:
+    def _head_lines(self) -> list[bytes]:
+        """The first run_started line, and the rank_joined lines that follow it before a step."""
         offset = 0
+        head: list[bytes] = []
         while offset < self.size_at_open:
             data = self._read(TAIL_BYTES, offset)
             lines = data[: data.rfind(b"\n") + 1].split(b"\n")[:-1]
             if not lines:
-                return None  # one line longer than a read: no run_started there
+                return head  # one line longer than a read: no run_started there
             for line in lines:
-                if line_kind(line) == RUN_STARTED:
-                    return line
+                kind = line_kind(line)
+                if not head and kind == RUN_STARTED or head and kind == RANK_JOINED:
+                    head.append(line)
+                elif head and kind in (STEP, RANK_STEP, RUN_STARTED):
+                    return head
                 offset += len(line) + 1
-        return None
+        return head
 
     def build(self, stop: threading.Event | None = None, until: int | None = None) -> None:
         """Index from where the index ends to `until` (default: the size seen at open), in chunks."""
@@ -383,7 +389,7 @@ class LogIndex:
     def tail_events(self) -> list[Any]:
         """The first screen's events: the first run_started if the tail has none, then the tail's."""
         with self._lock:
-            lines = ([self.head] if self.head else []) + self.tail
+            lines = self.head + self.tail
         out: list[Any] = []
         for raw in lines:
             out += read_line(raw) or []
