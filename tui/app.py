@@ -198,7 +198,8 @@ class DptuiApp(App[None]):
             self.refresh_bindings()  # Pause or Resume
         with self.batch_update():
             self.status.show(snap)
-            self.devices.show(snap.panels, snap.ranks)
+            self.devices.show_ranks(snap.ranks)
+            self.devices.show(snap.panels)
             self.loss_chart.show(fmt.loss(snap.loss), snap.loss_history)
             self.throughput_chart.show(fmt.rate(snap.samples_per_s), snap.throughput_history)
         for notice in snap.notices:

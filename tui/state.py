@@ -36,8 +36,7 @@ from dpengine.records import ReplicaRecord
 from dpengine.telemetry.sample import DeviceSample
 
 from . import event_text as text
-from . import ranks as rank_text
-from .ranks import RankBoard, RankView
+from .ranks import RankBoard, RankView, cleared_line, ended_line, joined_line, straggler_line
 
 EMA_ALPHA = 0.2
 HISTORY_POINTS = 240  # loss and throughput; a Sparkline folds them to its width
@@ -106,17 +105,17 @@ class Snapshot:
     loss_history: tuple[float, ...] = ()
     throughput_history: tuple[float, ...] = ()
     panels: tuple[DeviceView, ...] = ()
+    # A DDP run's (`dptui run --nproc-per-node`): one view per rank, the straggler verdict in force
+    # (or the end of the last one), the step the rank panels show (from 0; -1: none yet).
+    ranks: tuple[RankView, ...] = ()
+    straggler: StragglerFound | None = None
+    straggler_cleared: StragglerCleared | None = None
+    rank_step: int = -1
     notices: tuple[Notice, ...] = ()  # new since the last snapshot
     balance: str = "even"  # even, auto or weights: how batches are cut now
     replica_ms: float | None = None  # the last step's slowest replica, forward + backward
     even_ms: float | None = None  # the same as predicted for an even split (auto-balance only)
     even_ms_unsure: bool = False  # that prediction is a guess: the per-row model fits badly
-    # A DDP run's (`dptui run --nproc-per-node`): one view per rank, the straggler verdict in force
-    # (or the end of the last one), the newest step a rank finished (from 0; -1: none yet).
-    ranks: tuple[RankView, ...] = ()
-    straggler: StragglerFound | None = None
-    straggler_cleared: StragglerCleared | None = None
-    rank_step: int = -1
 
 
 @dataclass(slots=True)
@@ -161,12 +160,12 @@ class RunView:
         self._throughput_history: deque[float] = deque(maxlen=HISTORY_POINTS)
         self._per_device: dict[str, _Device] = {}
         self._telemetry: dict[str, DeviceSample] = {}
+        self._ranks = RankBoard()  # a DDP run's
         self._log: deque[LogLine] = deque(maxlen=MAX_PENDING_LOG)
         self._notices: list[Notice] = []
         self._last_logged: float | None = None
         self._last_epoch_logged: float | None = None
         self._failed_device: str | None = None
-        self._ranks = RankBoard()
 
     # -- fed by the trainer's threads -------------------------------------------------
 
@@ -274,22 +273,22 @@ class RunView:
         self._ranks.joined(event)
         if self._state == "starting":
             self._state = "running"
-        self._event(rank_text.joined_line(event))
+        self._event(joined_line(event))
 
     def _on_rank_step(self, event: RankStepFinished) -> None:
         self._ranks.step(event)
 
     def _on_straggler(self, event: StragglerFound) -> None:
         self._ranks.found(event)
-        self._event(f"step {event.step}: {rank_text.straggler_line(event)}", "error")
+        self._event(f"step {event.step}: {straggler_line(event)}", "error")
 
     def _on_straggler_cleared(self, event: StragglerCleared) -> None:
         self._ranks.clear(event)
-        self._event(rank_text.cleared_line(event))
+        self._event(cleared_line(event))
 
     def _on_rank_ended(self, event: RankEnded) -> None:
         self._ranks.ended(event)
-        line = rank_text.ended_line(event)
+        line = ended_line(event)
         failed = event.exit_code != 0 and not event.script_finished
         self._event(line, "error" if failed else "event")
         if failed:
@@ -418,15 +417,15 @@ class RunView:
                 loss_history=tuple(self._loss_history or self._ranks.loss_history),
                 throughput_history=tuple(self._throughput_history or self._ranks.rate_history),
                 panels=self._panels(config, step),
+                ranks=self._ranks.views(self._telemetry) if self._ranks else (),
+                straggler=self._ranks.verdict,
+                straggler_cleared=self._ranks.cleared,
+                rank_step=self._ranks.last_step,
                 notices=notices,
                 balance=self._balance,
                 replica_ms=_slowest_replica_ms(step),
                 even_ms=step.record.even_ms if step else None,
                 even_ms_unsure=step is not None and step.record.even_ms_unsure,
-                ranks=self._ranks.views(self._telemetry) if self._ranks else (),
-                straggler=self._ranks.verdict,
-                straggler_cleared=self._ranks.cleared,
-                rank_step=self._ranks.last_step,
             )
 
     def _shown_state(self) -> str:

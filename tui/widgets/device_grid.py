@@ -15,13 +15,11 @@ PANEL_MIN_WIDTH = 26  # a panel's bars and timings stay legible down to this wid
 
 
 class DeviceGrid(VerticalScroll):
-    def show(self, views: Sequence[DeviceView], ranks: Sequence[RankView] = ()) -> None:
-        """Update the panels; rebuild them only when the run's available devices change. A run
-        with ranks (DDP) shows one panel per rank instead: each rank's device is in its panel."""
-        if ranks:
-            self._show_ranks(ranks)
-            return
-        if not views:
+    _ranks_shown = False  # a DDP run's rank panels stand in the device panels' place
+
+    def show(self, views: Sequence[DeviceView]) -> None:
+        """Update the panels; rebuild them only when the run's available devices change."""
+        if not views or self._ranks_shown:
             return  # starting: keep the last run's panels until the new one says what it has
         panels = list(self.query_children(DevicePanel))
         if [p.view.device for p in panels if p.view] != [v.device for v in views]:
@@ -32,7 +30,11 @@ class DeviceGrid(VerticalScroll):
         for panel, view in zip(panels, views):
             panel.show(view)
 
-    def _show_ranks(self, views: Sequence[RankView]) -> None:
+    def show_ranks(self, views: Sequence[RankView]) -> None:
+        """A DDP run's: one panel per rank instead of the device panels (each rank's device is in its panel)."""
+        if not views:
+            return
+        self._ranks_shown = True
         panels = list(self.query_children(RankPanel))
         if [p.view.rank for p in panels if p.view] != [v.rank for v in views]:
             self.remove_children()
