@@ -286,3 +286,93 @@ def test_by_hand_it_says_how_it_is_run_in_one_line(tmp_path: Path) -> None:
                             env={k: v for k, v in __import__("os").environ.items() if not k.startswith("DPTUI_")})
     assert result.returncode != 0 and "ran" not in result.stdout
     assert len(result.stderr.strip().splitlines()) == 1 and "dptui run --nproc-per-node" in result.stderr
+
+
+COMPILED_SCRIPT = """
+import pickle
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1)), static_graph=True)
+torch_class = type(model).__mro__[1]
+seen = []
+hook = model.module.register_forward_pre_hook(lambda module, args: seen.append(torch_class._get_active_ddp_module()))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+model(torch.randn(4, 8)).pow(2).mean().backward()  # eager first: what dynamo's DDPOptimizer reads
+optimizer.step()
+assert seen == [model], seen
+hook.remove()
+compiled = torch.compile(model, backend="aot_eager")
+for step in range(1, 4):
+    loss = compiled(torch.randn(4, 8)).pow(2).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    print("loss", dist.get_rank(), step, repr(loss.item()), flush=True)
+copy = pickle.loads(pickle.dumps(model))
+assert type(copy) is type(model) and sorted(copy.state_dict()) == sorted(model.state_dict())
+dist.destroy_process_group()
+"""
+
+
+def test_static_graph_torch_compile_and_pickling_behave_as_under_torch(tmp_path: Path) -> None:
+    with RankReceiver() as receiver:
+        code, out, err = finish(torchrun(receiver, write(tmp_path, COMPILED_SCRIPT)))
+        ended(receiver, 2)
+        assert sorted(m["exit_code"] for m in receiver.of("script_finished")) == [0, 0], err
+        steps = receiver.steps(0)
+    losses = printed_losses(out)
+    assert sorted(steps) == [0, 1, 2, 3]  # the compiled forwards are recorded too
+    assert all(steps[s]["loss"] == pytest.approx(losses[0, s]) for s in (1, 2, 3))
+
+
+CUDA_SCRIPT = """
+import os
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+dist.init_process_group("nccl")
+device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+torch.cuda.set_device(device)
+model = DistributedDataParallel(nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1)).to(device),
+                                device_ids=[device.index])
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+scaler = torch.amp.GradScaler("cuda", init_scale=1024.0)
+losses = []
+for step in range(5):
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = model(torch.randn(64, 256, device=device)).float().pow(2).mean()
+    losses.append(loss.detach())
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad()
+for step, loss in enumerate(losses):
+    print("loss", dist.get_rank(), step, repr(loss.item()), flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_gpu_rank_is_timed_with_cuda_events_and_reports_device_memory(tmp_path: Path) -> None:
+    # One rank: nccl refuses two ranks on one GPU, and one GPU is what a test machine has.
+    with RankReceiver() as receiver:
+        code, out, err = finish(torchrun(receiver, write(tmp_path, CUDA_SCRIPT), nproc=1))
+        ended(receiver, 1)
+        assert [m["exit_code"] for m in receiver.of("script_finished")] == [0], err
+        (hello,) = receiver.of("hello")
+        steps = receiver.steps(0)
+    assert hello["device"] == "cuda:0"
+    losses = printed_losses(out)
+    assert sorted(steps) == list(range(5))
+    for number, step in steps.items():
+        assert step["memory_bytes"] > 0 and step["peak_memory_bytes"] >= step["memory_bytes"]
+        assert step["forward_ms"] > 0 and step["backward_ms"] > 0 and step["samples"] == 64
+        assert step["loss"] == pytest.approx(losses[0, number], rel=1e-3)  # unscaled, read without a sync
