@@ -38,7 +38,7 @@ def _stay_with_dptui() -> None:
 def _connect() -> None:
     from . import unrecorded, wire
     from .link import ParentLink
-    from .swap import install
+    from .swap import install, release_steps
 
     events_fd = int(_take_env(wire.EVENTS_FD))
     control_fd = int(_take_env(wire.CONTROL_FD))
@@ -49,6 +49,7 @@ def _connect() -> None:
     unrecorded.watch(link)
     install(link)
     atexit.register(link.flush)
+    atexit.register(release_steps)  # first (atexit runs last in first): the held steps, then the flush
 
 
 def run_program(argv: list[str]) -> None:

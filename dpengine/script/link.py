@@ -58,12 +58,13 @@ class ParentLink(QueuedSender):
             self.post({"type": "dp_created", "instance": instance, "name": instance, "devices": devices,
                        "copy_of": copy_of})
 
-    def post_step(self, instance: str, record: StepRecord) -> None:
-        """Queue a finished step of `instance`; never waits (past MAX_QUEUED_STEPS it is counted as dropped)."""
+    def post_step(self, instance: str, record: StepRecord, loss: float | None = None) -> None:
+        """Queue a finished step of `instance` and its loss (None: not seen); never waits (past
+        MAX_QUEUED_STEPS it is counted as dropped)."""
         at = time.monotonic()
         with self._cond:
             number = self._posted[instance] = self._posted.get(instance, 0) + 1
-            self._append_counted(instance, (instance, number, record, at), MAX_QUEUED_STEPS)
+            self._append_counted(instance, (instance, number, record, at, loss), MAX_QUEUED_STEPS)
 
     def watch_threads(self, instance: str, thread_ids: Callable[[], dict[str, int]]) -> None:
         """Where the instance's replica threads are, read by the sender (dptui polls their CPU use).
@@ -92,7 +93,7 @@ class ParentLink(QueuedSender):
                   for instance, count in dropped.items()]
         return lines
 
-    def _step_line(self, instance: str, number: int, record: StepRecord, at: float) -> str:
+    def _step_line(self, instance: str, number: int, record: StepRecord, at: float, loss: float | None) -> str:
         previous = self._last_finished.get(instance)
         self._last_finished[instance] = at
         if previous is not None and at > previous:
@@ -105,7 +106,7 @@ class ParentLink(QueuedSender):
             batch_size=record.batch_size,
             input_shape=record.input_shapes[0] if record.input_shapes else (),
             output_shape=record.output_shapes[0] if record.output_shapes else (),
-            loss=math.nan,  # the script's loss is its own business
+            loss=math.nan if loss is None else loss,
             samples_per_s=rate, record=record, seconds=at - self._started, instance=instance,
         )
         return json.dumps(to_json_dict(event), separators=(",", ":"))

@@ -28,6 +28,7 @@ import psutil
 import torch
 
 from ..eventlog.events import RankStepFinished
+from .training_hooks import LossReading, read_loss
 
 PHASES = ("data", "forward", "backward", "comm_wait", "optimizer")
 
@@ -97,7 +98,7 @@ class _Step:
     forwards: list[tuple[Any, Any]] = field(default_factory=list)
     backwards: list[_Backward] = field(default_factory=list)
     optimizers: list[tuple[Any, Any]] = field(default_factory=list)
-    losses: list[Any] = field(default_factory=list)  # per micro-batch: float, or (pinned copy) on CUDA
+    losses: list[LossReading | None] = field(default_factory=list)  # per micro-batch
     samples: int = 0
     first_collective: Any = None
     synced: bool = True  # the last forward's backward all-reduces (not under no_sync())
@@ -183,7 +184,7 @@ class RankSteps:
         if step is None:  # a backward outside a DDP's steps (another model): not ours
             return
         self._backward = _Backward(self.clock.mark())
-        step.losses.append(self._loss_reading(loss))
+        step.losses.append(read_loss(loss))
 
     def backward_ends(self) -> None:
         step, backward = self._step, self._backward
@@ -261,21 +262,11 @@ class RankSteps:
             first_collective_ms=offset(step.first_collective),
         )
 
-    def _loss_reading(self, loss: torch.Tensor | None) -> Any:
-        if loss is None:
-            return None
-        if loss.device.type == "cuda":
-            # Read without a sync: a non-blocking copy, complete once the step's events are.
-            copy = torch.empty((), dtype=loss.dtype, pin_memory=True)
-            copy.copy_(loss.reshape(()), non_blocking=True)
-            return copy
-        return float(loss)
-
 
 def _loss_value(losses: list[Any]) -> float | None:
     """What backward received over the step's micro-batches, summed (the step's loss when the script
     divides each micro-batch's loss by their count, as accumulation loops do); None if never seen."""
-    values = [float(v) for v in losses if v is not None]
+    values = [v.value() for v in losses if v is not None]
     return sum(values) if values else None
 
 

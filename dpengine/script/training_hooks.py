@@ -75,6 +75,37 @@ def loss_of(tensors: Any) -> torch.Tensor | None:
     return tensors.detach()
 
 
+class LossReading:
+    """A loss's value, read without a device sync: on CUDA a non-blocking copy into pinned memory,
+    whose value is there once `ready()` (its event has completed); on the CPU at once."""
+
+    __slots__ = ("_copy", "_event", "_value")
+
+    def __init__(self, loss: torch.Tensor) -> None:
+        self._copy = self._event = self._value = None
+        if loss.device.type == "cuda":
+            self._copy = torch.empty((), dtype=loss.dtype, pin_memory=True)
+            self._copy.copy_(loss.reshape(()), non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._value = float(loss)
+
+    def ready(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def value(self) -> float:
+        """The loss; waits for its copy only if not ready (at the script's end)."""
+        if self._event is not None:
+            self._event.synchronize()
+            return float(self._copy)
+        return self._value
+
+
+def read_loss(loss: torch.Tensor | None) -> LossReading | None:
+    return None if loss is None else LossReading(loss)
+
+
 def _watched(backward, tensor_method: bool):
     @functools.wraps(backward)
     def watched(tensors, *args: Any, **kwargs: Any):
