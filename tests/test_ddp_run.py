@@ -211,3 +211,20 @@ async def test_the_app_shows_the_ranks_output_and_space_pauses_them_in_lockstep(
     assert run.wait(60)
     assert run.exit_code == 130  # q stops the ranks as Ctrl-C does
     assert len(joined) == 2 and all(gone(pid) for pid in joined)
+
+
+def test_a_restart_starts_a_new_run_in_the_same_log(tmp_path):
+    log = tmp_path / "run.jsonl"
+    done = dptui("--nproc-per-node", "2", "--max-restarts", "1", "--headless", "--log", str(log), FAKE,
+                 "steps=6", "step_s=0.5", "fail_rank=1", "fail_step=0", "fail_once=1")
+    assert done.returncode == 0, done.stderr
+    events = json_events(log.read_text())
+    starts = [i for i, e in enumerate(events) if e["type"] == "run_started"]
+    assert len(starts) == 2
+    first, second = events[starts[0]:starts[1]], events[starts[1]:]
+    assert sorted((e["rank"], e["restart"]) for e in of_type(first, "rank_joined")) == [(0, 0), (1, 0)]
+    assert sorted((e["rank"], e["restart"]) for e in of_type(second, "rank_joined")) == [(0, 1), (1, 1)]
+    assert sorted((s["rank"], s["step"]) for s in of_type(second, "rank_step")) == [
+        (r, s) for r in range(2) for s in range(6)]
+    assert sorted((e["rank"], e["exit_code"]) for e in of_type(first, "rank_ended")) == [(0, -15), (1, 1)]
+    assert sorted((e["rank"], e["exit_code"]) for e in of_type(second, "rank_ended")) == [(0, 0), (1, 0)]

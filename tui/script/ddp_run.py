@@ -314,6 +314,7 @@ class DdpRun(Publisher):
         if not isinstance(joined, RankJoined):
             return
         if joined.restart > self._gen.number:
+            self._restarted(self._gen)
             self._gen = _Generation(joined.restart)
         gen = self._gen
         if joined.restart != gen.number:
@@ -328,6 +329,17 @@ class DdpRun(Publisher):
             self._publish_event(joined)
         elif len(gen.joined) >= gen.world_size:
             self._start_generation(gen)
+
+    def _restarted(self, old: _Generation) -> None:
+        """torchrun restarted the ranks (--max-restarts): those of the old generation that had not
+        ended by themselves were ended by torchrun, with SIGTERM, as it stops workers."""
+        for rank in sorted(set(old.joined) - old.ended):
+            if rank in old.finished or rank in old.failed:
+                self._rank_ended(old, rank, None)
+            else:
+                old.ended.add(rank)
+                self._rank_event(old, RankEnded(rank=rank, exit_code=-signal.SIGTERM, script_finished=False,
+                                                host=old.joined[rank].host, error="ended by torchrun for a restart"))
 
     def _start_generation(self, gen: _Generation) -> None:
         """RunStarted for this generation's ranks, then their joins and what they said meanwhile."""
