@@ -228,3 +228,75 @@ def test_a_restart_starts_a_new_run_in_the_same_log(tmp_path):
         (r, s) for r in range(2) for s in range(6)]
     assert sorted((e["rank"], e["exit_code"]) for e in of_type(first, "rank_ended")) == [(0, -15), (1, 1)]
     assert sorted((e["rank"], e["exit_code"]) for e in of_type(second, "rank_ended")) == [(0, 0), (1, 0)]
+
+
+def free_port_pair() -> int:
+    """A port P with P + 1 free too: torchrun's store takes P, node 0's dptui P + 1."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise AssertionError("no two free ports in a row")
+
+
+def test_two_nodes_on_loopback_node_0_shows_both_ranks_and_names_the_other_nodes_straggler():
+    port = free_port_pair()
+    nodes = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    script = [FAKE, "steps=30", "slow_rank=1", "slow_phase=forward"]
+    node1 = subprocess.Popen([*DPTUI, *nodes, "--node-rank", "1", "--headless", *script],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        node0 = dptui(*nodes, "--node-rank", "0", "--headless", "--json", *script)
+        out1, err1 = node1.communicate(timeout=TIMEOUT)
+    finally:
+        node1.kill()
+    assert node0.returncode == 0, node0.stderr
+    assert node1.returncode == 0, err1
+    assert out1.splitlines() == [f"rank 1 step {s}" for s in range(30)]  # node 1: its rank's output, as it is
+    events = json_events(node0.stdout)
+    joined = of_type(events, "rank_joined")
+    assert sorted((e["rank"], e["node_rank"], e["world_size"]) for e in joined) == [(0, 0, 2), (1, 1, 2)]
+    assert of_type(events, "run_started")[0]["config"]["devices"] == ["cpu", "cpu"]
+    assert sorted((s["rank"], s["step"]) for s in of_type(events, "rank_step")) == [
+        (r, s) for r in range(2) for s in range(30)]
+    assert [(v["rank"], v["phase"]) for v in of_type(events, "straggler")] == [(1, "forward")]
+    assert sorted((e["rank"], e["exit_code"], e["script_finished"]) for e in of_type(events, "rank_ended")) == [
+        (0, 0, True), (1, 0, True)]
+    for e in joined:
+        assert gone(e["pid"])
+
+
+def test_a_node_with_the_wrong_rendezvous_is_not_taken():
+    from tui.script.node_link import NodeLink, node_channel, node_token
+    from tui.script.rank_server import RankServer
+
+    port = free_port_pair()
+    launch = parse_launch(["--nnodes", "2", "--nproc-per-node", "1", "--master-port", str(port)], ScriptTarget(FAKE))
+    other = parse_launch(["--nnodes", "2", "--nproc-per-node", "1", "--master-port", str(port), "--rdzv-id", "x"],
+                         ScriptTarget(FAKE))
+    assert node_token(launch) != node_token(other)
+    lines: list = []
+    host, node_port = node_channel(launch)
+    server = RankServer("rank-token", lambda conn, body: lines.append(body), lambda conn: None, host=host,
+                        port=node_port, node_token=node_token(launch)).start()
+    try:
+        for link_launch, taken in ((other, False), (launch, True)):
+            link = NodeLink(node_channel(link_launch), node_token(link_launch), 1, lambda body: None).start()
+            link.send({"type": "rank_step", "rank": 1, "step": 0})
+            link.close()
+            if taken:
+                wait_for(lambda: [b["type"] for b in lines] == ["node_hello", "rank_step"], "the node's lines")
+            else:
+                wait_for(lambda: server.refused == 1, "the refusal")
+                assert lines == []
+    finally:
+        server.close()

@@ -56,9 +56,6 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, DdpLaunch]:
     if launch.several_nodes and launch.node_rank != 0 and not args.headless:
         raise UsageError(f"--node-rank {launch.node_rank}: nodes other than 0 run headless (add --headless); "
                          "node 0's dptui shows every rank")
-    if launch.several_nodes:
-        raise UsageError("--nnodes: several nodes are not supported by this dptui yet; run torchrun on each "
-                         "node, or one node with --nproc-per-node N")
     return args, launch
 
 

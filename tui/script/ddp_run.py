@@ -40,6 +40,7 @@ from dpengine.eventlog.events import (
     RunFinished,
     RunStarted,
     StateChanged,
+    to_json_dict,
 )
 from dpengine.eventlog.reader import EventLogError, decode_event
 from dpengine.run.protocol import BALANCE, BATCH_SIZE, DEVICES, PAUSE, ControlUnsupported
@@ -50,11 +51,13 @@ from . import spawner
 from .ddp_launch import LINE_PREFIX_ENV, LINE_PREFIX_TEMPLATE, DdpLaunch
 from .events import ScriptExited, ScriptNotice, ScriptOutput, ScriptStarted, StepsDropped
 from .failure_record import FailureRecord
+from .node_link import NodeLink, node_channel, node_token
 from .output_lines import OutputLines
 from .rank_server import Connection, RankServer
 from .script_run import GRACE_S, HURRY_S
 
 _PREFIX = re.compile(r"^\[dptui-rank (\d+)\]:")
+NODES_WAIT_S = 30.0  # node 0, its own ranks ended: how long the other nodes have to send their ranks' ends
 PAUSE_AHEAD = 2  # steps past the newest any rank reported: every rank can still stop before it
 OWNED = "The script owns its {}: change it in the script."
 
@@ -81,6 +84,7 @@ class _Generation:
     finished: dict[int, int] = field(default_factory=dict)  # rank -> the script's exit status
     failed: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> its rank_failed line
     ended: set[int] = field(default_factory=set)
+    remote_codes: dict[int, int] = field(default_factory=dict)  # another node's rank -> its exit status
     states: dict[int, str] = field(default_factory=dict)
     last_step: dict[int, int] = field(default_factory=dict)
 
@@ -120,6 +124,8 @@ class DdpRun(Publisher):
         self._steps = self._samples = 0
         self._started_at = 0.0
         self._config: RunConfig | None = None
+        self._remote_gen: dict[int, int] = {}  # node 0: another node's rank -> its generation
+        self._link: NodeLink | None = None  # a node other than 0: to node 0's dptui
         self.exit_code: int | None = None
 
     # -- what the UI drives -----------------------------------------------------------
@@ -143,11 +149,22 @@ class DdpRun(Publisher):
             for reader in readers:
                 reader.join(timeout=10)
             self._end_leftovers()
+            self._wait_for_nodes()
             return self._finish(code)
         finally:
+            if self._link is not None:
+                self._link.close()
             if self._server is not None:
                 self._server.close()
             self._done.set()
+
+    def _wait_for_nodes(self) -> None:
+        """Node 0: the other nodes' dptui send their ranks' ends once their torchrun has ended."""
+        deadline = time.monotonic() + (HURRY_S if self._hurry.is_set() else NODES_WAIT_S)
+        while self._server is not None and time.monotonic() < deadline:
+            if not any(conn.is_node for conn in self._server.connections()):
+                return
+            time.sleep(0.05)
 
     def wait(self, timeout: float | None = None) -> bool:
         return self._done.wait(timeout)
@@ -217,7 +234,16 @@ class DdpRun(Publisher):
     # -- the launcher -------------------------------------------------------------------
 
     def _start(self) -> None:
-        self._server = RankServer(self._token, self._on_line, self._on_closed).start()
+        launch = self.launch
+        if launch.several_nodes and launch.node_rank == 0:  # the other nodes' dptui connect here too
+            host, port = node_channel(launch)
+            self._server = RankServer(self._token, self._on_line, self._on_closed, host=host, port=port,
+                                      node_token=node_token(launch)).start()
+        else:
+            self._server = RankServer(self._token, self._on_line, self._on_closed).start()
+            if launch.several_nodes:
+                self._link = NodeLink(node_channel(launch), node_token(launch), launch.node_rank,
+                                      self._server.send_all).start()
         host, port = self._server.address
         env = dict(os.environ)
         env[rank_wire.CHANNEL] = f"{host}:{port}"
@@ -283,14 +309,21 @@ class DdpRun(Publisher):
     def _on_line(self, conn: Connection, body: dict[str, Any]) -> None:
         kind = body.get("type")
         with self._lock:
+            if self._link is not None and not conn.is_node:
+                self._link.send({k: v for k, v in body.items() if k != "token"})  # to node 0, as it is
+            if kind == "node_hello":
+                return
             if kind == "hello":
                 self._on_hello(conn, body)
                 return
-            gen = self._gen
-            if _generation(conn) != gen.number:
-                return  # a rank of a generation torchrun has restarted past
             rank = body.get("rank")
             if not isinstance(rank, int):
+                return
+            gen = self._gen
+            if self._generation_of(conn, rank) != gen.number:
+                return  # a rank of a generation torchrun has restarted past
+            if kind == "rank_ended" and conn.is_node:  # another node's rank, as its dptui saw it end
+                self._on_remote_end(gen, body)
                 return
             if kind == "rank_step":
                 self._on_step(gen, body)
@@ -313,6 +346,8 @@ class DdpRun(Publisher):
             return
         if not isinstance(joined, RankJoined):
             return
+        if conn.is_node:
+            self._remote_gen[joined.rank] = joined.restart
         if joined.restart > self._gen.number:
             self._restarted(self._gen)
             self._gen = _Generation(joined.restart)
@@ -321,10 +356,11 @@ class DdpRun(Publisher):
             return
         gen.world_size = max(gen.world_size, joined.world_size)
         gen.joined[joined.rank] = joined
-        try:
-            self._processes[(gen.number, joined.rank)] = psutil.Process(joined.pid)
-        except psutil.Error:
-            pass  # another node's rank, or gone already
+        if not conn.is_node:  # this node's rank: dptui ends it if torchrun does not
+            try:
+                self._processes[(gen.number, joined.rank)] = psutil.Process(joined.pid)
+            except psutil.Error:
+                pass  # gone already
         if gen.started:
             self._publish_event(joined)
         elif len(gen.joined) >= gen.world_size:
@@ -402,10 +438,30 @@ class DdpRun(Publisher):
         with self._lock:
             gen = self._gen
             rank = conn.hello.get("rank")
-            if _generation(conn) != gen.number or not isinstance(rank, int):
+            if conn.is_node or not isinstance(rank, int) or self._generation_of(conn, rank) != gen.number:
                 return
             if rank in gen.finished or rank in gen.failed:
                 self._rank_ended(gen, rank, None)
+
+    def _generation_of(self, conn: Connection, rank: int) -> int:
+        if conn.is_node:
+            return self._remote_gen.get(rank, 0)
+        restart = conn.hello.get("restart", 0)
+        return restart if isinstance(restart, int) else 0
+
+    def _on_remote_end(self, gen: _Generation, body: dict[str, Any]) -> None:
+        try:
+            ended = decode_event(body)
+        except EventLogError:
+            return
+        if isinstance(ended, RankEnded) and ended.rank not in gen.ended:
+            gen.ended.add(ended.rank)
+            gen.remote_codes[ended.rank] = ended.exit_code
+            if ended.script_finished:
+                gen.finished.setdefault(ended.rank, ended.exit_code)
+            elif ended.error:
+                gen.failed.setdefault(ended.rank, {"host": ended.host, "error": ended.error})
+            self._rank_event(gen, ended)
 
     def _rank_ended(self, gen: _Generation, rank: int, recorded: int | None) -> None:
         """RankEnded once: the script's own status, else torchrun's record of the process."""
@@ -476,7 +532,10 @@ class DdpRun(Publisher):
             code = gen.finished.get(failure.rank, failure.exit_code)
             return _shell_status(code), _signal_name(code), failure.rank
         for rank in sorted(gen.failed):
-            return 1, None, rank
+            return gen.remote_codes.get(rank) or 1, None, rank
+        for rank, code in sorted(gen.remote_codes.items()):
+            if code != 0 and gen.finished.get(rank) != 0:
+                return _shell_status(code), _signal_name(code), rank
         bad = [r for r, c in sorted(gen.finished.items()) if c != 0]
         if bad:
             return _shell_status(gen.finished[bad[0]]), None, bad[0]
@@ -542,11 +601,8 @@ class DdpRun(Publisher):
         with self._lock:
             self._publish(event)
             self._straggler.feed(event)
-
-
-def _generation(conn: Connection) -> int:
-    restart = conn.hello.get("restart", 0)
-    return restart if isinstance(restart, int) else 0
+            if self._link is not None and isinstance(event, RankEnded):
+                self._link.send(to_json_dict(event))
 
 
 def _ended_within(proc: subprocess.Popen, seconds: float, unless: threading.Event | None = None) -> bool:
