@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import psutil
@@ -156,8 +157,11 @@ def fake_ranks(monkeypatch):
     return make
 
 
-def test_pause_stops_every_rank_before_the_same_step_until_resume(fake_ranks):
-    run = fake_ranks("forever=1", "step_s=0.02")
+@pytest.mark.parametrize("chosen, remains", [((), "30 min, the process group's collective timeout (torch's default)"),
+                                             (("pg_timeout=120",), "2 min, the process group's collective "
+                                                                    "timeout (the script's)")])
+def test_pause_stops_every_rank_before_the_same_step_until_resume(fake_ranks, chosen, remains):
+    run = fake_ranks("forever=1", "step_s=0.02", *chosen)
     assert isinstance(run, Run) and run.controls == {PAUSE}
     events: list = []
     run.subscribe(events.append)
@@ -172,8 +176,9 @@ def test_pause_stops_every_rank_before_the_same_step_until_resume(fake_ranks):
         last = {r: max(e.step for e in events if isinstance(e, RankStepFinished) and e.rank == r) for r in (0, 1)}
         assert last[0] == last[1]  # lockstep: both stopped before the same step
         notice = next(e.text for e in events if isinstance(e, ScriptNotice) and "paused" in e.text)
-        assert "30 min" in notice  # gloo's default collective timeout in this torch
-        assert run.pause_deadline() is not None
+        assert remains in notice  # 30 min: gloo's default in this torch
+        minutes = float(remains.split()[0])
+        assert run.pause_deadline() - time.monotonic() == pytest.approx(minutes * 60, abs=30)
         run.resume()
         wait_for(lambda: any(isinstance(e, StateChanged) and e.state == "running" for e in events), "resumed")
         wait_for(lambda: any(isinstance(e, RankStepFinished) and e.step > last[0] for e in events), "steps again")

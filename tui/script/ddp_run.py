@@ -87,6 +87,7 @@ class _Generation:
     remote_codes: dict[int, int] = field(default_factory=dict)  # another node's rank -> its exit status
     states: dict[int, str] = field(default_factory=dict)
     last_step: dict[int, int] = field(default_factory=dict)
+    timeout_s: float | None = None  # the collective timeout a rank's script chose (process_group line)
 
 
 class DdpRun(Publisher):
@@ -216,8 +217,15 @@ class DdpRun(Publisher):
         with self._lock:
             if self._paused_at is None:
                 return None
-            device = next(iter(self._gen.joined.values())).device if self._gen.joined else "cpu"
-            return self._paused_at + collective_timeout(device).total_seconds()
+            return self._paused_at + self._timeout(self._gen).total_seconds()
+
+    @staticmethod
+    def _timeout(gen: _Generation) -> timedelta:
+        """The ranks' collective timeout: the script's, when a rank said it, else torch's default."""
+        if gen.timeout_s is not None:
+            return timedelta(seconds=gen.timeout_s)
+        device = next(iter(gen.joined.values())).device if gen.joined else "cpu"
+        return collective_timeout(device)
 
     def show_next_instance(self) -> str:
         raise ValueError("Each rank holds one DistributedDataParallel: the panels show every rank.")
@@ -338,6 +346,8 @@ class DdpRun(Publisher):
                 gen.finished[rank] = code if isinstance(code, int) else 1
             elif kind == "rank_failed":
                 gen.failed[rank] = body
+            elif kind == "process_group" and isinstance(body.get("timeout_s"), (int, float)):
+                gen.timeout_s = float(body["timeout_s"])
 
     def _on_hello(self, conn: Connection, body: dict[str, Any]) -> None:
         try:
@@ -420,9 +430,9 @@ class DdpRun(Publisher):
         if now and not before:
             self._paused_at = time.monotonic()
             self._publish_event(StateChanged("paused", self._requests))
-            timeout = collective_timeout(gen.joined[rank].device if rank in gen.joined else "cpu")
+            whose = "the script's" if gen.timeout_s is not None else "torch's default"
             self._notice(f"every rank paused before step {body.get('step')}: resume within "
-                         f"{_minutes(timeout)}, the process group's collective timeout (torch's default), "
+                         f"{_minutes(self._timeout(gen))}, the process group's collective timeout ({whose}), "
                          "or the run fails", key=None)
         elif before and not now:
             self._paused_at = None
