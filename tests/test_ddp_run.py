@@ -57,8 +57,8 @@ def test_headless_output_as_under_torchrun_then_a_summary_with_the_verdict():
 
 def test_json_events_carry_each_lines_rank_and_every_step(tmp_path):
     log = tmp_path / "run.jsonl"
-    done = dptui("--nproc-per-node", "2", "--headless", "--json", "--log", str(log), FAKE, "steps=25",
-                 "slow_rank=0", "slow_phase=data")
+    done = dptui("--nproc-per-node", "2", "--headless", "--json", "--log", str(log), "--telemetry-interval", "0.2",
+                 FAKE, "steps=25", "step_s=0.03", "slow_rank=0", "slow_phase=data")
     assert done.returncode == 0, done.stderr
     events = json_events(done.stdout)
     started = of_type(events, "run_started")
@@ -76,9 +76,14 @@ def test_json_events_carry_each_lines_rank_and_every_step(tmp_path):
     ended = of_type(events, "rank_ended")
     assert sorted((e["rank"], e["exit_code"], e["script_finished"]) for e in ended) == [(0, 0, True), (1, 0, True)]
     assert of_type(events, "script_exited") == [{"type": "script_exited", "code": 0, "signal": None}]
+    assert sampled_ranks(events) == {"rank 0", "rank 1"}  # each rank's process, sampled from dptui
     # --log holds every event too, output and all.
     logged = json_events(log.read_text())
     assert [e["type"] for e in logged] == [e["type"] for e in events]
+
+
+def sampled_ranks(events: list[dict]) -> set[str]:
+    return {s["device"] for t in of_type(events, "telemetry") for s in t["samples"] if s["memory_used_bytes"]}
 
 
 def test_a_rank_that_raises_is_named_and_its_status_is_dptuis():
@@ -256,7 +261,8 @@ def free_port_pair() -> int:
 def test_two_nodes_on_loopback_node_0_shows_both_ranks_and_names_the_other_nodes_straggler():
     port = free_port_pair()
     nodes = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port)]
-    script = [FAKE, "steps=30", "slow_rank=1", "slow_phase=forward"]
+    nodes += ["--telemetry-interval", "0.2"]
+    script = [FAKE, "steps=30", "step_s=0.03", "slow_rank=1", "slow_phase=forward"]
     node1 = subprocess.Popen([*DPTUI, *nodes, "--node-rank", "1", "--headless", *script],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -276,6 +282,7 @@ def test_two_nodes_on_loopback_node_0_shows_both_ranks_and_names_the_other_nodes
     assert [(v["rank"], v["phase"]) for v in of_type(events, "straggler")] == [(1, "forward")]
     assert sorted((e["rank"], e["exit_code"], e["script_finished"]) for e in of_type(events, "rank_ended")) == [
         (0, 0, True), (1, 0, True)]
+    assert sampled_ranks(events) == {"rank 0", "rank 1"}  # node 1's rank sampled there, shown here
     for e in joined:
         assert gone(e["pid"])
 

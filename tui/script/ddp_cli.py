@@ -22,7 +22,8 @@ from .events import ScriptNotice
 from .script_run import GRACE_S
 
 # dptui's own options here, each with whether it takes a value; every other option is torchrun's.
-OPTIONS = {"--headless": False, "--json": False, "--log": True, "--grace": True, "-h": False, "--help": False}
+OPTIONS = {"--headless": False, "--json": False, "--log": True, "--grace": True, "--telemetry-interval": True,
+           "--no-telemetry": False, "-h": False, "--help": False}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help='with --headless: JSON Lines events on stdout, the ranks\' output as {"type": '
                         '"output", "rank": R, ...} events')
     parser.add_argument("--log", metavar="FILE", help="write the run's events as JSON Lines to FILE")
+    parser.add_argument("--telemetry-interval", type=number("telemetry interval", at_least=0.2),
+                        default=1.0, metavar="S", help="seconds between samples of each rank's device or "
+                        "process, >= 0.2 (default 1)")
+    parser.add_argument("--no-telemetry", action="store_true", help="do not sample the ranks")
     parser.add_argument("--grace", type=number("--grace", at_least=0.0), default=GRACE_S, metavar="S",
                         help=f"seconds after SIGINT, then after SIGTERM, before stopping harder (default {GRACE_S:g})")
     return parser
@@ -69,7 +74,8 @@ def main(argv: Sequence[str]) -> int:
 
     capture = not args.headless or args.json
     run = DdpRun(launch, capture_output=capture, grace_s=args.grace,
-                 pass_stderr_to=None if capture else sys.stderr.buffer)
+                 pass_stderr_to=None if capture else sys.stderr.buffer,
+                 telemetry_interval=None if args.no_telemetry else args.telemetry_interval)
     try:
         if log is not None:
             run.subscribe(_json_lines(log))

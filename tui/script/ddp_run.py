@@ -40,12 +40,14 @@ from dpengine.eventlog.events import (
     RunFinished,
     RunStarted,
     StateChanged,
+    TelemetrySampled,
     to_json_dict,
 )
 from dpengine.eventlog.reader import EventLogError, decode_event
 from dpengine.run.protocol import BALANCE, BATCH_SIZE, DEVICES, PAUSE, ControlUnsupported
 from dpengine.script import rank_wire
 from dpengine.script.torchrun_child import PARENT_PID
+from dpengine.telemetry.rank_processes import RankProcessesSource
 
 from . import spawner
 from .ddp_launch import LINE_PREFIX_ENV, LINE_PREFIX_TEMPLATE, DdpLaunch
@@ -96,7 +98,7 @@ class DdpRun(Publisher):
     controls: frozenset[str] = frozenset({PAUSE})
 
     def __init__(self, launch: DdpLaunch, *, capture_output: bool = True, grace_s: float = GRACE_S,
-                 pass_stderr_to: IO[bytes] | None = None) -> None:
+                 pass_stderr_to: IO[bytes] | None = None, telemetry_interval: float | None = 1.0) -> None:
         """`capture_output`: the ranks' lines become `output` events with their rank (UI, --json);
         else they reach dptui's stdout as under torchrun, and torchrun's stderr is copied to
         `pass_stderr_to` as it comes (dptui reads torchrun's failure record from it)."""
@@ -106,6 +108,8 @@ class DdpRun(Publisher):
         self._capture = capture_output
         self._stderr_to = pass_stderr_to
         self._grace_s = grace_s
+        self._telemetry_interval = telemetry_interval
+        self._telemetry = RankProcessesSource()  # this node's ranks, sampled from here
         self._lock = threading.RLock()  # one event at a time: the readers are many threads
         self._proc: subprocess.Popen | None = None
         self._server: RankServer | None = None
@@ -146,13 +150,17 @@ class DdpRun(Publisher):
                     return None
                 self._start()
             readers = self._start_readers()
+            poller = self._start_telemetry()
             code = self._proc.wait()
+            if poller is not None:
+                poller.stop()
             for reader in readers:
                 reader.join(timeout=10)
             self._end_leftovers()
             self._wait_for_nodes()
             return self._finish(code)
         finally:
+            self._telemetry.close()
             if self._link is not None:
                 self._link.close()
             if self._server is not None:
@@ -279,6 +287,22 @@ class DdpRun(Publisher):
             thread.start()
         return threads
 
+    def _start_telemetry(self):
+        if self._telemetry_interval is None:
+            return None
+        from dpengine.telemetry import TelemetryPoller
+
+        return TelemetryPoller(self._telemetry, self._on_samples, self._telemetry_interval).start()
+
+    def _on_samples(self, samples) -> None:
+        if not samples:
+            return
+        if self._link is not None:  # node 0 shows them, as "rank R" like its own ranks'
+            self._link.send({**to_json_dict(TelemetrySampled(samples)), "node_rank": self.launch.node_rank})
+        with self._lock:
+            if self._gen.started:
+                self._publish_event(TelemetrySampled(samples))
+
     def _read_output(self, stream: IO[bytes], name: str) -> None:
         lines = OutputLines(lambda line, cr: self._on_output(name, line, cr))
         fd = stream.fileno()
@@ -324,6 +348,9 @@ class DdpRun(Publisher):
             if kind == "hello":
                 self._on_hello(conn, body)
                 return
+            if kind == "telemetry" and conn.is_node:
+                self._on_remote_telemetry(body)
+                return
             rank = body.get("rank")
             if not isinstance(rank, int):
                 return
@@ -366,11 +393,12 @@ class DdpRun(Publisher):
             return
         gen.world_size = max(gen.world_size, joined.world_size)
         gen.joined[joined.rank] = joined
-        if not conn.is_node:  # this node's rank: dptui ends it if torchrun does not
+        if not conn.is_node:  # this node's rank: dptui ends it if torchrun does not, and samples it
             try:
                 self._processes[(gen.number, joined.rank)] = psutil.Process(joined.pid)
             except psutil.Error:
                 pass  # gone already
+            self._telemetry.add(joined.rank, joined.pid, joined.device)
         if gen.started:
             self._publish_event(joined)
         elif len(gen.joined) >= gen.world_size:
@@ -458,6 +486,14 @@ class DdpRun(Publisher):
             return self._remote_gen.get(rank, 0)
         restart = conn.hello.get("restart", 0)
         return restart if isinstance(restart, int) else 0
+
+    def _on_remote_telemetry(self, body: dict[str, Any]) -> None:
+        try:
+            event = decode_event(body)
+        except EventLogError:
+            return
+        if isinstance(event, TelemetrySampled) and self._gen.started:
+            self._publish_event(event)
 
     def _on_remote_end(self, gen: _Generation, body: dict[str, Any]) -> None:
         try:
