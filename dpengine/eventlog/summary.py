@@ -10,7 +10,17 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .events import RunFailed, RunFinished, RunStarted, StepFinished
+from .events import (
+    RankEnded,
+    RankJoined,
+    RankStepFinished,
+    RunFailed,
+    RunFinished,
+    RunStarted,
+    StepFinished,
+    StragglerCleared,
+    StragglerFound,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,3 +111,72 @@ def summarize(events: Iterable[object]) -> tuple[DeviceSummary, ...]:
     for event in events:
         summary.feed(event)
     return summary.devices()
+
+
+# -- DDP ranks (`dptui run --nproc-per-node N`) ----------------------------------------------------
+
+RANK_PHASES = ("data", "forward", "backward", "comm_wait", "optimizer", "other", "total")
+
+
+@dataclass(frozen=True, slots=True)
+class RankStepsSummary:
+    rank: int
+    host: str
+    steps: int
+    mean_ms: dict[str, float | None]  # per RANK_PHASES, over the rank's steps
+    last_loss: float | None
+    exit_code: int | None  # None: its end was not recorded
+
+
+class _Rank:
+    __slots__ = ("host", "steps", "phases", "loss", "exit_code")
+
+    def __init__(self) -> None:
+        self.host = ""
+        self.steps = 0
+        self.phases = {phase: _Mean() for phase in RANK_PHASES}
+        self.loss: float | None = None
+        self.exit_code: int | None = None
+
+
+class RankSummary:
+    """A subscriber that sums a DDP run's rank events: per rank its steps and mean phases, and the
+    straggler verdicts seen, in order."""
+
+    def __init__(self) -> None:
+        self._ranks: dict[int, _Rank] = {}
+        self.verdicts: list[StragglerFound] = []
+        self.cleared = 0
+
+    def feed(self, event: object) -> None:
+        if isinstance(event, RankStepFinished):
+            rank = self._rank(event.rank)
+            rank.steps += 1
+            for phase in RANK_PHASES:
+                rank.phases[phase].add(getattr(event, f"{phase}_ms"))
+            if event.loss is not None:
+                rank.loss = event.loss
+        elif isinstance(event, RankJoined):
+            self._rank(event.rank).host = event.host
+        elif isinstance(event, RankEnded):
+            self._rank(event.rank).exit_code = event.exit_code
+        elif isinstance(event, StragglerFound):
+            self.verdicts.append(event)
+        elif isinstance(event, StragglerCleared):
+            self.cleared += 1
+
+    __call__ = feed
+
+    def _rank(self, number: int) -> _Rank:
+        rank = self._ranks.get(number)
+        if rank is None:
+            rank = self._ranks[number] = _Rank()
+        return rank
+
+    def ranks(self) -> tuple[RankStepsSummary, ...]:
+        return tuple(
+            RankStepsSummary(rank=n, host=r.host, steps=r.steps,
+                             mean_ms={phase: mean.value for phase, mean in r.phases.items()},
+                             last_loss=r.loss, exit_code=r.exit_code)
+            for n, r in sorted(self._ranks.items())
+        )
