@@ -52,7 +52,7 @@ def test_headless_output_as_under_torchrun_then_a_summary_with_the_verdict():
     header = next(i for i, line in enumerate(summary) if line.startswith("rank  host"))
     assert [line.split()[0] for line in summary[header + 1:header + 3]] == ["0", "1"]
     assert [line.split()[4] for line in summary[header + 1:header + 3]] == ["30", "30"]
-    assert "step 16: rank 1 is the straggler: backward +48.0 ms/step over 15 steps" in summary
+    assert "  step 16: rank 1 is the straggler: backward +48.0 ms/step over 15 steps" in summary
 
 
 def test_json_events_carry_each_lines_rank_and_every_step(tmp_path):

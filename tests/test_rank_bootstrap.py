@@ -76,7 +76,7 @@ for step in range(14):
     optimizer.zero_grad()
     loss.backward()
     optimizer.step()
-    print("loss", rank, step, repr(loss.item()), flush=True)
+    print("loss %d %d %r" % (rank, step, loss.item()), flush=True)  # one write: ranks share stdout
 dist.destroy_process_group()
 """
 
@@ -183,7 +183,7 @@ for step in range(6):
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad()
-    print("loss", rank, step, repr(total), flush=True)
+    print("loss %d %d %r" % (rank, step, total), flush=True)  # one write: ranks share stdout
 print("hook calls", rank, len(calls), flush=True)
 dist.destroy_process_group()
 """
@@ -312,7 +312,7 @@ for step in range(1, 4):
     optimizer.zero_grad()
     loss.backward()
     optimizer.step()
-    print("loss", dist.get_rank(), step, repr(loss.item()), flush=True)
+    print("loss %d %d %r" % (dist.get_rank(), step, loss.item()), flush=True)  # one write: ranks share stdout
 copy = pickle.loads(pickle.dumps(model))
 assert type(copy) is type(model) and sorted(copy.state_dict()) == sorted(model.state_dict())
 dist.destroy_process_group()
@@ -354,7 +354,7 @@ for step in range(5):
     scaler.update()
     optimizer.zero_grad()
 for step, loss in enumerate(losses):
-    print("loss", dist.get_rank(), step, repr(loss.item()), flush=True)
+    print("loss %d %d %r" % (dist.get_rank(), step, loss.item()), flush=True)  # one write: ranks share stdout
 dist.destroy_process_group()
 """
 
