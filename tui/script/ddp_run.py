@@ -572,13 +572,15 @@ class DdpRun(Publisher):
         world = gen.world_size or len(gen.joined)
         if world and len(gen.finished) >= world and all(c == 0 for c in gen.finished.values()):
             return 0, None, None
+        # A rank whose script raised is the cause, even when torchrun saw a peer die first: a gloo
+        # rank whose peer is gone may abort (SIGABRT) in its collective before the raiser's exit.
+        for rank in sorted(gen.failed):
+            return gen.remote_codes.get(rank) or 1, None, rank
         for failure in self._record.failures:
             if gen.finished.get(failure.rank) == 0:
                 continue  # teardown, said above
             code = gen.finished.get(failure.rank, failure.exit_code)
             return _shell_status(code), _signal_name(code), failure.rank
-        for rank in sorted(gen.failed):
-            return gen.remote_codes.get(rank) or 1, None, rank
         for rank, code in sorted(gen.remote_codes.items()):
             if code != 0 and gen.finished.get(rank) != 0:
                 return _shell_status(code), _signal_name(code), rank
