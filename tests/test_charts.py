@@ -81,11 +81,11 @@ async def test_a_panels_step_sparkline_says_its_highest_time():
 
 
 async def test_charts_are_drawn_at_their_own_pace_while_running_and_catch_up_when_it_ends(monkeypatch):
-    monkeypatch.setattr(tui.app, "CHARTS_EVERY_S", 3600.0)  # once drawn, not again while the run goes
     app, trainer = scripted(steps=3)
     async with app.run_test(size=(120, 40)):
         await until(trainer.published.is_set, "the run")
         await until(lambda: "steps 1–3" in chart_lines(app.loss_chart)[0], "the first drawing")
+        monkeypatch.setattr(tui.app, "CHARTS_EVERY_S", 3600.0)  # drawn, and not again while the run goes
         app.session.view.feed(step_finished(4, unbalanced_step(4)))
         await until(lambda: "(#4)" in status(app), "step 4 in the status bar")
         assert "steps 1–3" in chart_lines(app.loss_chart)[0]  # not yet: the charts wait their turn
