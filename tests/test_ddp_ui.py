@@ -192,6 +192,7 @@ async def test_dptui_view_of_a_ddp_log_shows_a_panel_per_rank_and_steps_through_
         assert rank_1.view.last.step == 30  # every rank's record of the shown step
         assert app.query(RankPanel).first().view.last.step == 30
         assert "rank 1 is the straggler: data +48.0 ms/step over 20 steps" in str(app.status.render())
+        assert "recording: step 30 (31 of 60)" in str(app.status.render())  # numbered as the panels number it
         assert rank_1.border_title == "rank 1 · node0 · local 1 · cpu"
 
         await pilot.press("left")  # back across the verdict's start: rebuilt from the log, verdict and all
