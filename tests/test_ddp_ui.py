@@ -77,7 +77,7 @@ def test_each_rank_shows_the_step_every_rank_has_reported_with_its_host_local_ra
     zero, one = snap.ranks
     assert (zero.last.step, zero.steps, one.last.step) == (0, 2, 0)  # rank 0's step 1 waits for rank 1's
     assert one.host == "node1" and one.local_rank == 1 and one.device == "cpu"
-    assert snap.rank_step == 0
+    assert snap.rank_step == 0 and snap.step == 1  # steps done, as a DataParallel run counts them (the charts')
     assert view.started  # ranks joined: steering keys work although no run_started came
     assert snap.loss == 0.5 and snap.loss_history == (0.5, 0.5)  # the lowest rank's
     view.feed(rank_step(1, 1))
