@@ -61,6 +61,11 @@ class StepRecord:
     apply_start_ms: float | None = None
     gather_start_ms: float | None = None
     backward_start_ms: float | None = None
+    # `dptui run`: the script's own phases around the step (dpengine.script.dp_phases), as a DDP
+    # rank's: input wait since the previous step of this DataParallel ended, and optimizer.step
+    # time after its backward, before the next forward. None where not recorded.
+    data_ms: float | None = None
+    optimizer_ms: float | None = None
 
     @property
     def chunk_sizes(self) -> tuple[int, ...]:

@@ -13,6 +13,7 @@ import runpy
 import signal
 import sys
 import traceback
+from collections.abc import Callable
 
 
 def _take_env(name: str) -> str:
@@ -35,9 +36,11 @@ def _stay_with_dptui() -> None:
 
 
 def _connect() -> None:
+    from ..cuda_memory import keep_users_view
     from . import unrecorded, wire
     from .link import ParentLink
-    from .swap import install
+    from .spawned_rank import carry_into_spawned_children
+    from .swap import install, release_steps
 
     events_fd = int(_take_env(wire.EVENTS_FD))
     control_fd = int(_take_env(wire.CONTROL_FD))
@@ -46,11 +49,15 @@ def _connect() -> None:
         os.set_inheritable(fd, False)
     link = ParentLink(events_fd, control_fd, devices)
     unrecorded.watch(link)
+    carry_into_spawned_children()  # ranks the script spawns itself are watched as DDP ranks
     install(link)
-    atexit.register(link.flush)
+    # The steps reset the CUDA allocator's peak; the script's own max_memory_allocated() must not see it.
+    keep_users_view()
+    atexit.register(link.flush)  # last: after the steps' own flush (registered at the first step)
+    atexit.register(release_steps)  # first (atexit runs last in first): the held steps, then the flush
 
 
-def _run(argv: list[str]) -> None:
+def run_program(argv: list[str]) -> None:
     if argv[0] == "-m":
         module, args = argv[1], argv[2:]
         sys.argv = [module, *args]  # runpy puts the module's file in argv[0]
@@ -76,19 +83,41 @@ def main() -> None:
         sys.exit("usage: python -m dpengine.script.bootstrap (PATH | -m MODULE) [ARGS...]")
     _stay_with_dptui()
     _connect()
+    run_script(argv)
+
+
+def run_script(argv: list[str], ended: Callable[[int, BaseException | None], None] | None = None) -> None:
+    """Run the program as `python PATH ARGS` / `python -m MODULE ARGS` would, to its exit status.
+
+    `ended(exit_code, error)` runs first, once: error is None when the script's last line ran or it
+    raised SystemExit, else what it raised (its traceback is then printed as Python prints it).
+    """
     try:
-        _run(argv)
-    except SystemExit:
+        run_program(argv)
+    except SystemExit as done:
+        if ended is not None:
+            ended(exit_status(done), None)
         raise  # the interpreter turns it into the status
     except BaseException as error:  # noqa: BLE001 - shown as Python would, minus our frames
-        traceback.print_exception(type(error), error, _user_frames(error.__traceback__))
+        traceback.print_exception(type(error), error, user_frames(error.__traceback__))
         sys.stderr.flush()
+        if ended is not None:
+            ended(1, error)
         if isinstance(error, KeyboardInterrupt):
             # As Python does: exit handlers, then die of SIGINT so the status says so (130).
             atexit._run_exitfuncs()
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGINT)
         sys.exit(1)
+    if ended is not None:
+        ended(0, None)
+
+
+def exit_status(done: SystemExit) -> int:
+    """The status the interpreter makes of a SystemExit: None is 0, an int itself, anything else 1."""
+    if done.code is None:
+        return 0
+    return done.code if isinstance(done.code, int) else 1
 
 
 def _from_runpy(error: BaseException) -> bool:
@@ -99,7 +128,7 @@ def _from_runpy(error: BaseException) -> bool:
     return tb.tb_frame.f_code.co_filename in (os.path.abspath(runpy.__file__), "<frozen runpy>")
 
 
-def _user_frames(tb):
+def user_frames(tb):
     """Drop the bootstrap's and runpy's frames from the top, as `python script.py` shows none.
 
     Ours are absolute paths (`python -m` imports by absolute path); runpy's is frozen or its file.

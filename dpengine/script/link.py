@@ -1,7 +1,7 @@
 """The child's end of the private pipes: a sender that never stalls the script, and a control thread.
 
-Training threads only append to a queue under a lock; a daemon thread turns records into
-JSON and writes them. Every step is sent: dptui's log and --json get them all (only its screen
+Training threads only append to a queue under a lock; a daemon thread (sender.QueuedSender)
+turns records into JSON and writes them. Every step is sent: dptui's log and --json get them all (only its screen
 coalesces). The queue holds MAX_QUEUED_STEPS; past that, while dptui is that far behind, steps
 are dropped and counted per DataParallel instance, and a `dropped` message says how many.
 dptui's requests (pause, devices) come over the control pipe.
@@ -15,33 +15,25 @@ import os
 import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 from ..eventlog.events import StepFinished, to_json_dict
 from ..records import StepRecord
+from .sender import QueuedSender, dumps
 
 MAX_QUEUED_STEPS = 32_768  # a few seconds of the fastest scripts; about 1 KiB each
-SEND_AT_ONCE = 512  # items per write: the queue's lock is never held for long
-FLUSH_AT_EXIT_S = 2.0
 
 
-class ParentLink:
+class ParentLink(QueuedSender):
     def __init__(
         self, events_fd: int, control_fd: int, devices: tuple[str, ...],
     ) -> None:
+        super().__init__("dptui-run-sender")
         self.devices = devices  # what device_ids=None means in this run
         self._events_fd = events_fd
         self._control_fd = control_fd
-        self._cond = threading.Condition()
-        # Messages (dicts, never dropped) and steps (tuples), in the order they were posted.
-        self._queue: deque[dict[str, Any] | tuple[str, int, StepRecord, float]] = deque()
-        self._queued_steps = 0
         self._posted: dict[str, int] = {}  # steps posted per instance: the `step` number each is sent with
-        self._dropped: dict[str, int] = {}  # per instance, steps dropped since the last `dropped` message
-        self._writing = False  # taken from the queues, not yet in the pipe
-        self._broken = False
         self._started = time.monotonic()
         self._last_finished: dict[str, float] = {}
         self._announced: set[str] = set()
@@ -54,15 +46,10 @@ class ParentLink:
         self._state_request: int | None = None  # the number of the last pause or resume
         self._running = threading.Event()
         self._running.set()
-        threading.Thread(target=self._send_loop, name="dptui-run-sender", daemon=True).start()
+        self._start_sending()
         threading.Thread(target=self._control_loop, name="dptui-run-control", daemon=True).start()
 
     # -- called by the script's DataParallel objects ---------------------------------
-
-    def post(self, message: dict[str, Any]) -> None:
-        with self._cond:
-            self._queue.append(message)
-            self._cond.notify()
 
     def announce(self, instance: str, devices: list[str], copy_of: str | None = None) -> None:
         """A DataParallel was built; said once per instance (one rebuilt every step is not news)."""
@@ -71,17 +58,13 @@ class ParentLink:
             self.post({"type": "dp_created", "instance": instance, "name": instance, "devices": devices,
                        "copy_of": copy_of})
 
-    def post_step(self, instance: str, record: StepRecord) -> None:
-        """Queue a finished step of `instance`; never waits (past MAX_QUEUED_STEPS it is counted as dropped)."""
+    def post_step(self, instance: str, record: StepRecord, loss: float | None = None) -> None:
+        """Queue a finished step of `instance` and its loss (None: not seen); never waits (past
+        MAX_QUEUED_STEPS it is counted as dropped)."""
         at = time.monotonic()
         with self._cond:
             number = self._posted[instance] = self._posted.get(instance, 0) + 1
-            if self._queued_steps < MAX_QUEUED_STEPS:
-                self._queue.append((instance, number, record, at))
-                self._queued_steps += 1
-            else:
-                self._dropped[instance] = self._dropped.get(instance, 0) + 1
-            self._cond.notify()
+            self._append_counted(instance, (instance, number, record, at, loss), MAX_QUEUED_STEPS)
 
     def watch_threads(self, instance: str, thread_ids: Callable[[], dict[str, int]]) -> None:
         """Where the instance's replica threads are, read by the sender (dptui polls their CPU use).
@@ -98,52 +81,19 @@ class ParentLink:
         self._running.wait()
         self.post({"type": "state", "state": "running", "request": self._state_request})
 
-    def flush(self, timeout: float = FLUSH_AT_EXIT_S) -> None:
-        """Wait until everything queued is written: the last steps of a script that ends.
-
-        As long as dptui keeps reading, however much is queued; `timeout` seconds without a write
-        (dptui stuck) and the rest is left.
-        """
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            left_before = len(self._queue)
-            while (self._writing or self._queue or self._dropped) and not self._broken:
-                if len(self._queue) < left_before:  # dptui is reading: give it the time it takes
-                    left_before = len(self._queue)
-                    deadline = time.monotonic() + timeout
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return
-                self._cond.wait(left)
-
     # -- the sender ------------------------------------------------------------------
 
-    def _send_loop(self) -> None:
-        while True:
-            with self._cond:
-                while not (self._queue or self._dropped):
-                    self._cond.wait()
-                items = [self._queue.popleft() for _ in range(min(len(self._queue), SEND_AT_ONCE))]
-                self._queued_steps -= sum(1 for item in items if isinstance(item, tuple))
-                dropped, self._dropped = self._dropped, {}
-                self._writing = True
-            lines = [json.dumps(item, separators=(",", ":")) if isinstance(item, dict) else self._step_line(*item)
-                     for item in items]
-            lines += self._thread_lines()
-            lines += [json.dumps({"type": "dropped", "instance": instance, "steps": count}, separators=(",", ":"))
-                      for instance, count in dropped.items()]
-            try:
-                _write_all(self._events_fd, ("\n".join(lines) + "\n").encode())
-            except OSError:  # dptui is gone: the lifeline ends us; stop trying meanwhile
-                with self._cond:
-                    self._broken = True
-                    self._cond.notify_all()
-                return
-            with self._cond:
-                self._writing = False
-                self._cond.notify_all()  # flush() waits for all of it to be written
+    def _write(self, data: bytes) -> None:
+        _write_all(self._events_fd, data)
 
-    def _step_line(self, instance: str, number: int, record: StepRecord, at: float) -> str:
+    def _lines(self, items: list, dropped: dict[str, int]) -> list[str]:
+        lines = [dumps(item) if isinstance(item, dict) else self._step_line(*item) for item in items]
+        lines += self._thread_lines()
+        lines += [dumps({"type": "dropped", "instance": instance, "steps": count})
+                  for instance, count in dropped.items()]
+        return lines
+
+    def _step_line(self, instance: str, number: int, record: StepRecord, at: float, loss: float | None) -> str:
         previous = self._last_finished.get(instance)
         self._last_finished[instance] = at
         if previous is not None and at > previous:
@@ -156,7 +106,7 @@ class ParentLink:
             batch_size=record.batch_size,
             input_shape=record.input_shapes[0] if record.input_shapes else (),
             output_shape=record.output_shapes[0] if record.output_shapes else (),
-            loss=math.nan,  # the script's loss is its own business
+            loss=math.nan if loss is None else loss,
             samples_per_s=rate, record=record, seconds=at - self._started, instance=instance,
         )
         return json.dumps(to_json_dict(event), separators=(",", ":"))

@@ -22,9 +22,17 @@ dptui -> rank:
   {"op": "resume"}
   EOF: dptui is gone; the rank trains on unrecorded (the parent-death signal ends it with torchrun)
 
+Optional (receivers that do not know them ignore them):
+  {"type": "process_group", "rank", "backend", "timeout_s"}   once init_process_group ran: the
+      collective timeout the script chose (else dptui says torch's default for the backend when paused)
+
 Several nodes: each node's dptui takes its own ranks; a node other than 0 connects to node 0's dptui
 with {"type": "node_hello", "token": T, "node_rank", "host"} and forwards its ranks' lines as they are
-(and its telemetry as {"type": "telemetry", "node_rank", ...}); node 0 relays control lines back.
+(without their token; and its telemetry as {"type": "telemetry", "node_rank", ...}); node 0 relays
+control lines back. Node 0's dptui listens on the rendezvous host (--rdzv-endpoint, else
+--master-addr) at its port + 1; T is derived from the flags every node was given
+(tui/script/node_link.py). A node also sends each of its ranks' end as the event dptui logs,
+{"type": "rank_ended", ...} (events.RankEnded), since only its own torchrun knows a signal's status.
 """
 
 from __future__ import annotations

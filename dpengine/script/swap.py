@@ -23,11 +23,13 @@ import torch
 from ..data_parallel import DataParallel as EngineDataParallel
 from ..data_parallel import extends_forward
 from ..devices import device_name, resolve_devices
-from . import torch_pieces
+from . import torch_pieces, training_hooks
+from .dp_phases import DpPhases
 from .instances import Instances, call_site
 from .link import ParentLink
 
 _link: ParentLink | None = None
+_phases: DpPhases | None = None  # data and optimizer time and the loss of every step (dp_phases.py)
 _instances = Instances()
 _gating = threading.local()  # .dp: the DataParallel whose overriding forward passed the gate on this thread
 
@@ -62,9 +64,15 @@ class DataParallel(EngineDataParallel):
         link.watch_threads(label, self.worker_thread_ids)
 
     def _dptui_post_step(self, record) -> None:
-        link = _link
-        if link is not None:
-            link.post_step(self._dptui_key, record)
+        phases = _phases
+        if phases is not None:
+            phases.hold(self._dptui_key, record)  # out with its optimizer time, at the next forward
+
+    def _on_backward_done(self, pending) -> None:
+        phases, key = _phases, self.__dict__.get("_dptui_key")
+        if phases is not None and key is not None:
+            phases.backward_done(key, pending.step)  # inside the backward call: its loss is this step's
+        super()._on_backward_done(pending)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # A deepcopy (an EMA model) or an unpickled one: an instance of its own, with its own steps.
@@ -110,11 +118,15 @@ class DataParallel(EngineDataParallel):
 
     def _dptui_gate(self) -> None:
         """Where a pause takes effect and device changes apply: before each forward."""
-        link = _link
+        link, phases = _link, _phases
         if link is not None:
+            if phases is not None:
+                phases.release()  # a forward begins: the optimizer time of the steps held is known
             link.wait_while_paused()
             if link.control_version != self._dptui_control:
                 self._follow_devices(link)
+            if phases is not None:
+                phases.forward_begins(self._dptui_key, self._step + 1)
 
     def _follow_devices(self, link: ParentLink) -> None:
         object.__setattr__(self, "_dptui_control", link.control_version)
@@ -187,8 +199,10 @@ def data_parallel(module: torch.nn.Module, inputs: Any, device_ids=None, output_
 
 def install(link: ParentLink) -> None:
     """Bind torch's names to the recording ones, before the script imports anything."""
-    global _link
+    global _link, _phases
     _link = link
+    _phases = DpPhases(link.post_step)
+    training_hooks.listen(_phases)
     submodule = sys.modules[_SUBMODULE]  # torch.nn.parallel.data_parallel as an attribute is the function
     torch.nn.DataParallel = DataParallel
     torch.nn.parallel.DataParallel = DataParallel
@@ -196,3 +210,9 @@ def install(link: ParentLink) -> None:
     submodule.data_parallel = data_parallel
     torch.nn.parallel.data_parallel = data_parallel
     torch_pieces.install()
+
+
+def release_steps() -> None:
+    """The script has ended: the steps held for their optimizer time go out."""
+    if _phases is not None:
+        _phases.release(wait=True)

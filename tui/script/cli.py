@@ -23,6 +23,8 @@ from .events import ScriptNotice
 from .script_run import GRACE_S, ScriptRun, ScriptTarget
 
 USAGE = "dptui run [OPTIONS] (SCRIPT.py | -m MODULE) [ARGS...]"
+DDP_USAGE = ("dptui run --nproc-per-node N [--nnodes M --node-rank K --master-addr A --master-port P | "
+             "--standalone] [--max-restarts R] [OPTIONS] (SCRIPT.py | -m MODULE) [ARGS...]")
 _TAKES_VALUE = {"--devices", "--log", "--trace", "--telemetry-interval", "--grace"}
 
 
@@ -31,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="dptui run", usage=USAGE,
         description="Run your own training script unchanged, with torch.nn.DataParallel recorded "
         "by dptui: live panels per replica, pause and device changes at the next forward.",
-        epilog="Exit status: the script's (128+N if signal N ended it); 2 bad usage.",
+        epilog="A DDP script: " + DDP_USAGE + " runs it under torchrun (dptui run --nproc-per-node 2 --help). "
+        "Exit status: the script's (128+N if signal N ended it); 2 bad usage.",
     )
     parser.add_argument("--devices", default="auto", metavar="SPEC",
                         help="what device_ids=None means in the script: comma list (0,1 | cpu:0,cpu:1) "
@@ -69,9 +72,15 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, ScriptTarget]:
     options, rest = _split(argv)
     args = build_parser().parse_args(options)
     check_json_output(args)
-    if not rest or rest == ["-m"]:
+    return args, parse_target(rest, args.log, args.trace)
+
+
+def parse_target(rest: Sequence[str], log: str | None, trace: str | None) -> ScriptTarget:
+    """The program and its arguments, checked: a script that exists or a module that can be found,
+    and --log / --trace files that can be written and are not the script itself."""
+    if not rest or list(rest) == ["-m"]:
         raise UsageError(f"name a script or -m MODULE to run: {USAGE}")
-    if rest[0] == "-m":
+    if rest[0] in ("-m", "--module"):
         target = ScriptTarget(rest[1], tuple(rest[2:]), module=True)
         program_file = _module_file(target.program)
     else:
@@ -79,14 +88,14 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, ScriptTarget]:
         program_file = target.program
         if not Path(program_file).is_file():
             raise UsageError(f"no such script: {target.program}")
-    if args.log:
-        check_log_path(args.log)
-    if args.trace:
-        check_log_path(args.trace, "--trace")
-    for flag, path in (("--log", args.log), ("--trace", args.trace)):
+    if log:
+        check_log_path(log)
+    if trace:
+        check_log_path(trace, "--trace")
+    for flag, path in (("--log", log), ("--trace", trace)):
         if path and program_file is not None and _same_file(path, program_file):
             raise UsageError(f"{flag} {path}: that is the script itself; name another file for the events")
-    return args, target
+    return target
 
 
 def _module_file(name: str) -> str | None:
@@ -130,6 +139,12 @@ def parse_devices(spec: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 
 def main(argv: Sequence[str]) -> int:
+    from .ddp_launch import ddp_requested
+
+    if ddp_requested(argv, frozenset(_TAKES_VALUE)):
+        from .ddp_cli import main as ddp_main  # a DDP script's ranks, under torchrun
+
+        return ddp_main(argv)
     try:
         args, target = parse(argv)
         devices, available = parse_devices(args.devices)

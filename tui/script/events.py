@@ -19,6 +19,7 @@ class ScriptOutput:
     stream: str  # "stdout" or "stderr"
     line: str  # without its newline
     cr: bool = False  # the state so far of a line redrawn with \r (a progress bar), not yet ended
+    rank: int | None = None  # `dptui run --nproc-per-node`: the rank that printed it (None: torchrun itself)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,5 +67,7 @@ def to_json(event: Event | ScriptEvent) -> dict[str, Any]:
     body = {"type": name, **asdict(event)}
     if body.get("cr") is False:
         del body["cr"]  # marked only where it is true: a finished line reads as it always did
+    if "rank" in body and body["rank"] is None:
+        del body["rank"]  # a DataParallel script's output, or torchrun's own line
     return body
 

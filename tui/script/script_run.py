@@ -103,6 +103,7 @@ class ScriptRun(Publisher):
         self._stepped: set[str] = set()  # instances with a step recorded
         self._used: list[str] = []  # classes the child built and does not record (wire `used`)
         self._steps = self._samples = 0
+        self._last_loss: float | None = None
         self._requests = 0  # numbered as a Trainer numbers them; the child's events carry them back
         self.exit_code: int | None = None
 
@@ -313,6 +314,8 @@ class ScriptRun(Publisher):
             self._publish(RunStarted(self._config))
         self._steps += 1
         self._samples += event.batch_size
+        if math.isfinite(event.loss):
+            self._last_loss = event.loss  # the script's last loss: the run's final loss
         self._publish(event)
 
     def _run_config(self, batch_size: int) -> RunConfig:
@@ -343,7 +346,7 @@ class ScriptRun(Publisher):
         self._publish(ScriptExited(code, signame))
         if code == 0:
             final: RunFinished | RunFailed = RunFinished(
-                final_loss=None, epochs=0, steps=self._steps, samples=self._samples,
+                final_loss=self._last_loss, epochs=0, steps=self._steps, samples=self._samples,
                 seconds=seconds, stopped=self._stopping)
         else:
             how = f" ({signame})" if signame else ""

@@ -1,0 +1,163 @@
+"""torch's DistributedDataParallel in a rank of `dptui run --nproc-per-node N`: a recording subclass.
+
+Every name torch binds the class to (torch.nn.parallel.DistributedDataParallel and
+torch.nn.parallel.distributed.DistributedDataParallel) is bound to `DistributedDataParallel` below
+before the script runs. It is torch's class with three additions, and behaves as torch's otherwise
+(isinstance, .module, no_sync(), state_dict() keys, static_graph, find_unused_parameters, pickling
+by torch's name, torch.compile):
+- forward() tells the rank's phase clock (step_phases.RankSteps) when it begins and ends: outside
+  any compiled region, as its own frame is never traced;
+- a comm hook times each gradient bucket's all-reduce: torch's default all-reduce, or the script's
+  own hook (register_comm_hook is intercepted; the script's hook runs inside ours);
+- torch's own reads of the class attribute `_active_ddp_module` (dynamo's DDPOptimizer) still see
+  what DDP's forward sets, though the module's global name is now the subclass.
+What cannot be recorded is left as torch does it and said once as a notice.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import torch
+import torch.nn.parallel.distributed as torch_distributed
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+from .step_phases import CudaClock, HostClock, RankSteps, samples_of
+
+TorchDDP = torch_distributed.DistributedDataParallel
+
+_steps: RankSteps | None = None
+_make_steps: Callable[[HostClock | CudaClock], RankSteps] | None = None
+_notice: Callable[[str], None] = lambda text: None
+_said: set[str] = set()
+_lock = threading.Lock()
+
+
+class _SharedActiveModule(type(TorchDDP)):
+    """DDP's forward sets `DistributedDataParallel._active_ddp_module` through its module's global
+    name, which is this subclass under dptui; dynamo reads it on torch's class. Keep it there."""
+
+    def __setattr__(cls, name, value):
+        if name == "_active_ddp_module":
+            type.__setattr__(TorchDDP, name, value)
+        else:
+            super().__setattr__(name, value)
+
+
+class DistributedDataParallel(TorchDDP, metaclass=_SharedActiveModule):
+    # torch's names: a pickle names torch's class (this one under dptui, torch's own without).
+    __module__ = TorchDDP.__module__
+    __qualname__ = TorchDDP.__qualname__
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._dptui_hooked = False  # our comm hook is on the reducer
+        self._dptui_user_hook: tuple[Callable, object] | None = None
+        self._dptui_builtin_hook = False
+        _rank_steps(self)
+
+    @torch._disable_dynamo(recursive=False)
+    def forward(self, *inputs, **kwargs):
+        steps = _steps
+        if steps is None or not torch.is_grad_enabled():  # evaluation is no training step
+            return super().forward(*inputs, **kwargs)
+        if not self._dptui_hooked and not self._dptui_builtin_hook:
+            self._dptui_hook(allreduce_hook, self.process_group)
+        steps.forward_begins(samples_of(inputs, kwargs), synced=self.require_backward_grad_sync)
+        try:
+            return super().forward(*inputs, **kwargs)
+        finally:
+            steps.forward_ends()
+
+    def register_comm_hook(self, state: object, hook: Callable) -> None:
+        """The script's hook runs inside ours, which times the bucket's all-reduce around it."""
+        self._check_comm_hook(hook)
+        if self._dptui_user_hook is not None or self._dptui_builtin_hook:
+            # torch allows one registration; let torch say so in its own words.
+            return super().register_comm_hook(state, hook)
+        self._dptui_user_hook = (hook, state)
+        if self._dptui_hooked:
+            self.logger._set_comm_hook_name(hook.__qualname__)
+        else:
+            self._dptui_hook(hook, state)
+
+    def _register_builtin_comm_hook(self, comm_hook_type):
+        if not self._dptui_hooked:
+            self._dptui_builtin_hook = True
+            say_once("comm_wait is not recorded: the script registered a built-in (C++) DDP comm hook, "
+                     "which a Python hook cannot wrap")
+        return super()._register_builtin_comm_hook(comm_hook_type)
+
+    def _dptui_hook(self, hook: Callable, state: object) -> None:
+        self._dptui_hooked = True
+        self._dptui_inner = (hook, state)
+        TorchDDP.register_comm_hook(self, self, _timed_bucket)
+        self.logger._set_comm_hook_name(hook.__qualname__)
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        for name in ("_dptui_hooked", "_dptui_inner", "_dptui_builtin_hook", "_dptui_user_hook"):
+            state.pop(name, None)
+        state["_comm_hooks"] = [(h, s) for h, s in state.get("_comm_hooks", []) if h is not _timed_bucket]
+        return state
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)  # a new reducer: hooks are registered anew
+        self._dptui_hooked = False
+        self._dptui_user_hook = None
+        self._dptui_builtin_hook = False
+
+
+def _timed_bucket(ddp: DistributedDataParallel, bucket):
+    """The comm hook on the reducer: the bucket is ready now; its all-reduce is done when the inner
+    hook's future completes."""
+    hook, state = ddp._dptui_user_hook or ddp._dptui_inner
+    steps = _steps
+    last = bucket.is_last()
+    if steps is not None:
+        steps.bucket_ready(last)
+    future = hook(state, bucket)
+    if steps is None:
+        return future
+
+    def done(completed):
+        steps.bucket_done(last)
+        return completed.value()
+
+    return future.then(done)
+
+
+def _rank_steps(ddp: TorchDDP) -> None:
+    """The first DDP of the process chooses the clock: CUDA events for a module on a GPU."""
+    global _steps
+    with _lock:
+        if _steps is not None or _make_steps is None:
+            return
+        if ddp.device_type == "cuda":
+            device = torch.device("cuda", torch.cuda.current_device()) if ddp.device_ids is None \
+                else torch.device("cuda", ddp.device_ids[0] if isinstance(ddp.device_ids[0], int)
+                                  else torch.device(ddp.device_ids[0]).index)
+            clock = CudaClock(device)
+        else:
+            clock = HostClock()
+        _steps = _make_steps(clock)
+
+
+def say_once(text: str) -> None:
+    if text not in _said:
+        _said.add(text)
+        _notice(text)
+
+
+def current_steps() -> RankSteps | None:
+    return _steps
+
+
+def install(make_steps: Callable[[HostClock | CudaClock], RankSteps], notice: Callable[[str], None]) -> None:
+    """Bind torch's names to the recording class; `make_steps(clock)` gives the rank's phase clock at the
+    first DDP built (its listener is the caller's to register)."""
+    global _make_steps, _notice
+    _make_steps, _notice = make_steps, notice
+    torch_distributed.DistributedDataParallel = DistributedDataParallel
+    torch.nn.parallel.DistributedDataParallel = DistributedDataParallel

@@ -1,0 +1,112 @@
+"""A DataParallel script's steps get a DDP rank's phases and loss (issue 21, issue 18.6).
+
+A DataParallel step stays one forward and its backward, as the engine records it. On top of that:
+- data_ms: the time from the end of the previous step of that DataParallel to this forward;
+- optimizer_ms: optimizer.step time after its backward, before the next forward (of any DataParallel);
+- loss: the scalar backward was called on (unscaled under a GradScaler), recorded in the step of
+  every DataParallel whose backward ran in that call (a GAN's discriminator and generator both).
+A step's end is its backward's end, or the last optimizer step after it. The same hooks as a DDP
+rank's phase clock (training_hooks.py) feed it. A finished step is held until its optimizer time
+is known: until the next DataParallel forward begins, or the script ends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from ..records import StepRecord
+from .training_hooks import LossReading, read_loss
+
+Key = tuple[str, int]  # (instance label, its step number)
+Post = Callable[[str, StepRecord, float | None], None]
+
+
+class DpPhases:
+    def __init__(self, post: Post) -> None:
+        self._post = post
+        self._lock = threading.Lock()
+        self._ended: dict[str, float] = {}  # per instance: when its last step ended
+        self._data: dict[Key, float] = {}
+        self._optimizer: dict[Key, float] = {}
+        self._loss: dict[Key, LossReading] = {}
+        self._after_backward: dict[str, int] = {}  # instance -> its step whose backward is done, before a forward
+        self._in_backward: list[Key] = []  # steps whose backward ran in the backward call in progress
+        self._held: list[tuple[str, StepRecord]] = []
+        self._reading: LossReading | None = None
+        self._optimizer_start: float | None = None
+
+    # -- swap.DataParallel -------------------------------------------------------------
+
+    def forward_begins(self, instance: str, step: int) -> None:
+        """`instance` begins its step `step` (after release(), and a pause): its data time is known."""
+        now = time.perf_counter()
+        with self._lock:
+            self._after_backward.clear()
+            ended = self._ended.get(instance)
+            if ended is not None:
+                self._data[instance, step] = (now - ended) * 1000.0
+
+    def backward_done(self, instance: str, step: int) -> None:
+        """The engine: the step's backward completed (inside the backward call, on an autograd thread)."""
+        with self._lock:
+            if self._reading is not None:
+                self._loss[instance, step] = self._reading
+            self._in_backward.append((instance, step))
+
+    def hold(self, instance: str, record: StepRecord) -> None:
+        """A finished step: out once its optimizer time is known."""
+        with self._lock:
+            self._held.append((instance, record))
+
+    def release(self, wait: bool = False) -> None:
+        """Post the held steps (whose loss is read, unless `wait`: the script has ended)."""
+        with self._lock:
+            held, self._held = self._held, []
+            keep = []
+            out = []
+            for instance, record in held:
+                key = (instance, record.step)
+                reading = self._loss.get(key)
+                if reading is not None and not wait and not reading.ready():
+                    keep.append((instance, record))  # a CUDA loss still being copied: next time
+                    continue
+                self._loss.pop(key, None)
+                record = dataclasses.replace(record, data_ms=self._data.pop(key, None),
+                                             optimizer_ms=self._optimizer.pop(key, None))
+                out.append((instance, record, reading))
+            self._held = keep
+        for instance, record, reading in out:
+            self._post(instance, record, None if reading is None else reading.value())
+
+    # -- training_hooks listener ---------------------------------------------------------
+
+    def backward_begins(self, loss: torch.Tensor | None) -> None:
+        self._reading = read_loss(loss)
+
+    def backward_ends(self) -> None:
+        now = time.perf_counter()
+        with self._lock:
+            for instance, step in self._in_backward:
+                self._ended[instance] = now
+                self._after_backward[instance] = step
+                self._optimizer.setdefault((instance, step), 0.0)
+            self._in_backward.clear()
+            self._reading = None
+
+    def optimizer_begins(self) -> None:
+        self._optimizer_start = time.perf_counter()
+
+    def optimizer_ends(self) -> None:
+        start, now = self._optimizer_start, time.perf_counter()
+        self._optimizer_start = None
+        if start is None:
+            return
+        with self._lock:
+            for instance, step in self._after_backward.items():
+                self._optimizer[instance, step] = self._optimizer.get((instance, step), 0.0) + (now - start) * 1000.0
+                self._ended[instance] = now

@@ -1,0 +1,109 @@
+"""A DDP rank's end of the side channel to dptui (rank_wire.py): a TCP socket, never the script's stdout.
+
+It sends on a daemon thread (sender.QueuedSender): the script never waits for dptui; every step is
+sent, and steps past MAX_QUEUED_STEPS queued (dptui that far behind) are counted in a `dropped`
+message. A second thread reads dptui's control lines: `pause` at step N makes the rank block
+before step N begins until `resume`; each is answered with a `state` message. At EOF (dptui is
+gone) the rank trains on, unrecorded: the parent-death signal ends it with torchrun.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from typing import Any
+
+from ..eventlog.events import RankStepFinished, to_json_dict
+from .sender import QueuedSender, dumps
+
+MAX_QUEUED_STEPS = 32_768  # far more than dptui falls behind in practice; about 600 bytes each
+CONNECT_TIMEOUT_S = 30.0
+
+
+class RankLink(QueuedSender):
+    def __init__(self, sock: socket.socket, rank: int) -> None:
+        super().__init__("dptui-rank-sender")
+        self.rank = rank
+        self._sock = sock
+        self._pause_at: int | None = None  # pause before this step begins
+        self._resumed = threading.Event()
+        self._resumed.set()
+        self._start_sending()
+        threading.Thread(target=self._control_loop, name="dptui-rank-control", daemon=True).start()
+
+    @classmethod
+    def connect(cls, address: str, hello: dict[str, Any]) -> RankLink:
+        """Connect to dptui at "host:port" and say hello (with the token) first; OSError if it cannot."""
+        host, _, port = address.rpartition(":")
+        sock = socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S)
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.sendall((dumps({"type": "hello", **hello}) + "\n").encode())
+        return cls(sock, hello["rank"])
+
+    # -- the training thread -------------------------------------------------------------
+
+    def post_step(self, step: RankStepFinished) -> None:
+        """Queue a finished step; never waits (past MAX_QUEUED_STEPS it is counted as dropped)."""
+        with self._cond:
+            self._append_counted(self.rank, step, MAX_QUEUED_STEPS)
+
+    def notice(self, text: str) -> None:
+        self.post({"type": "notice", "rank": self.rank, "text": text})
+
+    def before_step(self, step: int) -> bool:
+        """Block while a pause asks to stop before `step`; True if it blocked."""
+        pause_at = self._pause_at
+        if pause_at is None or step < pause_at:
+            return False
+        self.post({"type": "state", "rank": self.rank, "state": "paused", "step": step})
+        self._resumed.wait()
+        self.post({"type": "state", "rank": self.rank, "state": "running", "step": step})
+        return True
+
+    def script_finished(self, exit_code: int) -> None:
+        self.post({"type": "script_finished", "rank": self.rank, "exit_code": exit_code})
+
+    def rank_failed(self, host: str, error: str, traceback: str) -> None:
+        self.post({"type": "rank_failed", "rank": self.rank, "host": host, "error": error, "traceback": traceback})
+
+    # -- the sender thread ---------------------------------------------------------------
+
+    def _write(self, data: bytes) -> None:
+        self._sock.sendall(data)
+
+    def _lines(self, items: list, dropped: dict[int, int]) -> list[str]:
+        lines = [dumps(item if isinstance(item, dict) else to_json_dict(item)) for item in items]
+        lines += [dumps({"type": "dropped", "rank": rank, "steps": count}) for rank, count in dropped.items()]
+        return lines
+
+    # -- control ---------------------------------------------------------------------------
+
+    def _control_loop(self) -> None:
+        buffer = b""
+        try:
+            while chunk := self._sock.recv(4096):
+                buffer += chunk
+                *lines, buffer = buffer.split(b"\n")
+                for line in lines:
+                    if line.strip():
+                        self._apply(json.loads(line))
+        except (OSError, ValueError):
+            pass
+        # EOF: dptui is gone. Train on, unrecorded; never stay paused for a dptui that cannot resume.
+        with self._cond:
+            self._broken = True
+            self._queue.clear()
+            self._cond.notify_all()
+        self._pause_at = None
+        self._resumed.set()
+
+    def _apply(self, message: dict[str, Any]) -> None:
+        op = message.get("op")
+        if op == "pause":
+            self._resumed.clear()
+            self._pause_at = int(message.get("step", 0))
+        elif op == "resume":
+            self._pause_at = None
+            self._resumed.set()

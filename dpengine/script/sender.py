@@ -1,0 +1,116 @@
+"""A sender that never stalls the script: the queue and daemon thread of both of dptui's side channels.
+
+Training threads only append to a queue under a lock; a daemon thread turns what is queued into
+JSON lines and writes them. Messages (dicts) are never dropped. Counted items (steps) are: past
+`limit` queued, while dptui is that far behind, they are dropped and counted per key, and the
+subclass's `_lines` says how many. Used by `link.ParentLink` (a DataParallel script's pipes) and
+`rank_link.RankLink` (a DDP rank's socket).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import deque
+from typing import Any
+
+SEND_AT_ONCE = 512  # items per write: the queue's lock is never held for long
+FLUSH_AT_EXIT_S = 2.0
+
+
+def dumps(message: dict[str, Any]) -> str:
+    return json.dumps(message, separators=(",", ":"))
+
+
+class QueuedSender:
+    def __init__(self, thread_name: str) -> None:
+        self._cond = threading.Condition()
+        # Messages (dicts, never dropped) and counted items, in the order they were posted.
+        self._queue: deque[Any] = deque()
+        self._queued_counted = 0
+        self._dropped: dict[Any, int] = {}  # per key, items dropped since the last write
+        self._writing = False  # taken from the queue, not yet written
+        self._broken = False
+        self._thread_name = thread_name
+
+    def _start_sending(self) -> None:
+        threading.Thread(target=self._send_loop, name=self._thread_name, daemon=True).start()
+
+    # -- the subclass's part -----------------------------------------------------------
+
+    def _write(self, data: bytes) -> None:
+        """Write it all, or raise OSError (dptui is gone)."""
+        raise NotImplementedError
+
+    def _lines(self, items: list[Any], dropped: dict[Any, int]) -> list[str]:
+        """JSON lines for what was taken from the queue, and for what was dropped since."""
+        raise NotImplementedError
+
+    # -- any thread ----------------------------------------------------------------------
+
+    def post(self, message: dict[str, Any]) -> None:
+        with self._cond:
+            if self._broken:
+                return
+            self._queue.append(message)
+            self._cond.notify()
+
+    def _append_counted(self, key: Any, item: Any, limit: int) -> None:
+        """Under self._cond: queue a counted item, or count it dropped when `limit` are queued."""
+        if self._broken:
+            return
+        if self._queued_counted < limit:
+            self._queue.append(item)
+            self._queued_counted += 1
+        else:
+            self._dropped[key] = self._dropped.get(key, 0) + 1
+        self._cond.notify()
+
+    @property
+    def broken(self) -> bool:
+        return self._broken
+
+    def flush(self, timeout: float = FLUSH_AT_EXIT_S) -> None:
+        """Wait until everything queued is written: the last steps of a script that ends.
+
+        As long as dptui keeps reading, however much is queued; `timeout` seconds without a write
+        (dptui stuck) and the rest is left.
+        """
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            left_before = len(self._queue)
+            while (self._writing or self._queue or self._dropped) and not self._broken:
+                if len(self._queue) < left_before:  # dptui is reading: give it the time it takes
+                    left_before = len(self._queue)
+                    deadline = time.monotonic() + timeout
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._cond.wait(left)
+
+    # -- the sender thread ---------------------------------------------------------------
+
+    def _send_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._queue or self._dropped):
+                    self._cond.wait()
+                items = [self._queue.popleft() for _ in range(min(len(self._queue), SEND_AT_ONCE))]
+                self._queued_counted -= sum(1 for item in items if not isinstance(item, dict))
+                dropped, self._dropped = self._dropped, {}
+                self._writing = True
+            lines = self._lines(items, dropped)
+            try:
+                if lines:
+                    self._write(("\n".join(lines) + "\n").encode())
+            except OSError:  # dptui is gone: stop trying; what comes later is never sent
+                with self._cond:
+                    self._broken = True
+                    self._queue.clear()
+                    self._dropped.clear()
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self._writing = False
+                self._cond.notify_all()  # flush() waits for all of it to be written

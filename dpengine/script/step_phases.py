@@ -1,0 +1,284 @@
+"""A DDP rank's optimizer steps, cut into phases: data, forward, backward, comm_wait, optimizer, other.
+
+A step is an optimizer step: the micro-batches of gradient accumulation under no_sync() are one
+step. It ends at the last optimizer step before the next forward (several optimizers), or, when a
+GradScaler skipped optimizer.step, at the end of the synchronised backward before the next forward.
+Its phases:
+- data: the previous step's end to the first forward (input loading, the script's own host work);
+- forward and backward: the DDP forwards and the backward calls (backward without comm_wait);
+- comm_wait: the exposed gradient all-reduce wait: the last bucket ready (its comm hook called) to
+  its all-reduce done (the hook's future completed);
+- optimizer: optimizer.step, through torch's global hooks;
+- other: the step's total minus the phases above.
+Times are marks of a clock: the host's perf_counter on the CPU (gloo); CUDA events on the current
+stream on a GPU, read once they have completed (never a synchronize on the training stream), so a
+CUDA step is sent a little later, as soon as its events are done.
+"""
+
+from __future__ import annotations
+
+import resource
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+import torch
+
+from ..eventlog.events import RankStepFinished
+from .training_hooks import LossReading, read_loss
+
+PHASES = ("data", "forward", "backward", "comm_wait", "optimizer")
+
+
+class HostClock:
+    """The CPU's clock: a mark is a perf_counter reading."""
+
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    def ms(self, start: float, end: float) -> float:
+        return (end - start) * 1000.0
+
+    def done(self, mark: float) -> bool:
+        return True
+
+    def wait(self, mark: float) -> None:
+        pass
+
+    def __init__(self) -> None:
+        self._process = psutil.Process()
+
+    def memory(self) -> tuple[int | None, int | None]:
+        rss = self._process.memory_info().rss
+        return rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+class CudaClock:
+    """A GPU rank's clock: a mark is a CUDA event on the current stream."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def mark(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def ms(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
+        return start.elapsed_time(end)
+
+    def done(self, mark: torch.cuda.Event) -> bool:
+        return mark.query()
+
+    def wait(self, mark: torch.cuda.Event) -> None:
+        mark.synchronize()  # only when the script has ended
+
+    def memory(self) -> tuple[int | None, int | None]:
+        allocated = torch.cuda.memory_allocated(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)  # the next step's own peak
+        return allocated, peak
+
+
+@dataclass
+class _Backward:
+    start: Any
+    end: Any = None
+    last_ready: Any = None  # the last bucket's hook call
+    last_done: Any = None  # its all-reduce's completion
+
+
+@dataclass
+class _Step:
+    number: int
+    start: Any
+    forwards: list[tuple[Any, Any]] = field(default_factory=list)
+    backwards: list[_Backward] = field(default_factory=list)
+    optimizers: list[tuple[Any, Any]] = field(default_factory=list)
+    losses: list[LossReading | None] = field(default_factory=list)  # per micro-batch
+    samples: int = 0
+    first_collective: Any = None
+    synced: bool = True  # the last forward's backward all-reduces (not under no_sync())
+    end: Any = None
+    memory: tuple[int | None, int | None] = (None, None)
+
+    def ends_at_forward(self) -> bool:
+        """A forward now begins the next step: an optimizer stepped, or a synchronised backward ran (a
+        GradScaler skipped the step)."""
+        if self.optimizers:
+            return True
+        return bool(self.backwards) and self.synced and self.backwards[-1].end is not None
+
+
+class RankSteps:
+    """The phase clock of one rank; every recording DDP of the process feeds it.
+
+    `before_step(n)` runs before step n begins (at its first forward) and returns True if it
+    blocked (a pause): the step then starts when it returns. `on_step` gets each finished step.
+    """
+
+    def __init__(self, rank: int, clock: HostClock | CudaClock,
+                 on_step: Callable[[RankStepFinished], None],
+                 before_step: Callable[[int], bool] | None = None) -> None:
+        self.rank = rank
+        self.clock = clock
+        self._on_step = on_step
+        self._before_step = before_step
+        self._step: _Step | None = None
+        self._next = 0
+        self._last_end: Any = None
+        self._backward: _Backward | None = None
+        self._forward_start: Any = None
+        self._optimizer_start: Any = None
+        self._unsent: list[_Step] = []  # finished, waiting for their CUDA events
+        self._lock = threading.Lock()
+
+    # -- the DDP forward ---------------------------------------------------------------
+
+    def forward_begins(self, samples: int, synced: bool) -> None:
+        step = self._step
+        if step is not None and step.ends_at_forward():
+            self._end(step)
+            step = None
+        if step is None:
+            if self._before_step is not None and self._before_step(self._next):
+                self._last_end = None  # paused: the step starts now, not at the previous one's end
+            start = self._last_end if self._last_end is not None else self.clock.mark()
+            step = self._step = _Step(self._next, start)
+            self._next += 1
+        self._forward_start = self.clock.mark()
+        step.samples += samples
+        step.synced = synced
+
+    def forward_ends(self) -> None:
+        step = self._step
+        if step is not None and self._forward_start is not None:
+            step.forwards.append((self._forward_start, self.clock.mark()))
+        self._forward_start = None
+
+    # -- the comm hook: each gradient bucket's all-reduce --------------------------------
+
+    def bucket_ready(self, last: bool) -> None:
+        step = self._step
+        if step is None:
+            return
+        mark = self.clock.mark()
+        if step.first_collective is None:
+            step.first_collective = mark
+        if last and self._backward is not None:
+            self._backward.last_ready = mark
+
+    def bucket_done(self, last: bool) -> None:
+        # On gloo, from a gloo thread: DDP waits for it before backward() returns.
+        backward = self._backward
+        if last and backward is not None:
+            backward.last_done = self.clock.mark()
+
+    # -- training_hooks listener ---------------------------------------------------------
+
+    def backward_begins(self, loss: torch.Tensor | None) -> None:
+        step = self._step
+        if step is None:  # a backward outside a DDP's steps (another model): not ours
+            return
+        self._backward = _Backward(self.clock.mark())
+        step.losses.append(read_loss(loss))
+
+    def backward_ends(self) -> None:
+        step, backward = self._step, self._backward
+        if step is None or backward is None:
+            return
+        backward.end = self.clock.mark()
+        step.backwards.append(backward)
+        self._backward = None
+
+    def optimizer_begins(self) -> None:
+        if self._step is not None:
+            self._optimizer_start = self.clock.mark()
+
+    def optimizer_ends(self) -> None:
+        step = self._step
+        if step is not None and self._optimizer_start is not None:
+            end = self.clock.mark()
+            step.optimizers.append((self._optimizer_start, end))
+            step.end = end
+            step.memory = self.clock.memory()
+        self._optimizer_start = None
+
+    # -- finishing -----------------------------------------------------------------------
+
+    def finish(self) -> None:
+        """The script ended: its last step, if an optimizer stepped, and wait for every CUDA event."""
+        step = self._step
+        if step is not None and step.ends_at_forward():
+            self._end(step)
+        self._step = None
+        for unsent in self._unsent:
+            self.clock.wait(unsent.end)
+        self._send_done()
+
+    def _end(self, step: _Step) -> None:
+        if not step.optimizers:  # a GradScaler skipped the step: it ends with its backward
+            step.end = step.backwards[-1].end
+            step.memory = self.clock.memory()
+        self._last_end = step.end
+        self._step = None
+        self._unsent.append(step)
+        self._send_done()
+
+    def _send_done(self) -> None:
+        while self._unsent and self.clock.done(self._unsent[0].end):
+            self._on_step(self._phases(self._unsent.pop(0)))
+
+    def _phases(self, step: _Step) -> RankStepFinished:
+        ms, start = self.clock.ms, step.start
+        total = ms(start, step.end)
+        first = step.forwards[0][0] if step.forwards else step.end
+        data = ms(start, first)
+        forward = sum(ms(a, b) for a, b in step.forwards)
+        comm_wait = sum(ms(b.last_ready, b.last_done) for b in step.backwards
+                        if b.last_ready is not None and b.last_done is not None)
+        backward = sum(ms(b.start, b.end) for b in step.backwards) - comm_wait
+        optimizer = sum(ms(a, b) for a, b in step.optimizers)
+
+        def offset(mark: Any) -> float | None:
+            return None if mark is None else ms(start, mark)
+
+        waits = [b.last_ready for b in step.backwards if b.last_ready is not None and b.last_done is not None]
+        memory, peak = step.memory
+        return RankStepFinished(
+            rank=self.rank, step=step.number,
+            data_ms=data, forward_ms=forward, backward_ms=max(backward, 0.0), comm_wait_ms=comm_wait,
+            optimizer_ms=optimizer, other_ms=max(total - data - forward - backward - comm_wait - optimizer, 0.0),
+            total_ms=total, loss=_loss_value(step.losses), samples=step.samples,
+            micro_batches=len(step.forwards), memory_bytes=memory, peak_memory_bytes=peak,
+            data_start_ms=0.0,
+            forward_start_ms=offset(step.forwards[0][0] if step.forwards else None),
+            backward_start_ms=offset(step.backwards[0].start if step.backwards else None),
+            comm_wait_start_ms=offset(waits[0] if waits else None),
+            optimizer_start_ms=offset(step.optimizers[0][0] if step.optimizers else None),
+            first_collective_ms=offset(step.first_collective),
+        )
+
+
+def _loss_value(losses: list[Any]) -> float | None:
+    """What backward received over the step's micro-batches, summed (the step's loss when the script
+    divides each micro-batch's loss by their count, as accumulation loops do); None if never seen."""
+    values = [v.value() for v in losses if v is not None]
+    return sum(values) if values else None
+
+
+def samples_of(inputs: tuple, kwargs: dict[str, Any]) -> int:
+    """Rows of the forward's first tensor input (its batch), 0 if it has none."""
+    for value in (*inputs, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return int(value.shape[0]) if value.dim() else 1
+        if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
+            return int(value[0].shape[0]) if value[0].dim() else 1
+        if isinstance(value, dict):
+            for item in value.values():
+                if isinstance(item, torch.Tensor):
+                    return int(item.shape[0]) if item.dim() else 1
+    return 0

@@ -1,0 +1,132 @@
+"""`dptui run --nproc-per-node N [torchrun's options] [OPTIONS] (SCRIPT.py | -m MODULE) [ARGS...]`.
+
+A DDP script's ranks under torch's own launcher, watched: live rank panels and the straggler
+verdict, or with --headless each rank's output as under torchrun and a per-rank summary at the end.
+Bad input is one line on stderr and exit 2 before anything starts. Exit status: 0 when every rank
+succeeded; else the first failed rank's (128+N for signal N); 130 after Ctrl-C, 143 after SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from collections.abc import Sequence
+
+from ..stdout_pipe import StopOnBrokenPipe, silence_stdout
+from ..usage import EXIT_USAGE, Parser, UsageError, check_json_output, number, open_log
+from .cli import DDP_USAGE, _json_lines, _say_notices, parse_target
+from .ddp_launch import DdpLaunch, parse_launch, split_options
+from .ddp_run import DdpRun
+from .events import ScriptNotice
+from .script_run import GRACE_S
+
+# dptui's own options here, each with whether it takes a value; every other option is torchrun's.
+OPTIONS = {"--headless": False, "--json": False, "--log": True, "--grace": True, "--telemetry-interval": True,
+           "--no-telemetry": False, "-h": False, "--help": False}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(
+        prog="dptui run", usage=DDP_USAGE,
+        description="Run your DistributedDataParallel script unchanged under torchrun (python -m "
+        "torch.distributed.run), with every rank's steps recorded: phases, loss, memory, and which rank "
+        "is the straggler and why. Options before the script that are not listed here are torchrun's "
+        "and mean what they mean to torchrun (--nproc-per-node, --nnodes, --node-rank, --master-addr, "
+        "--master-port, --standalone, --max-restarts, --rdzv-*, ...).",
+        epilog="Exit status: 0 when every rank succeeds; else the first failed rank's (128+N for signal N); "
+        "130 after Ctrl-C, 143 after SIGTERM; 2 bad usage.",
+    )
+    parser.add_argument("--headless", action="store_true",
+                        help="no UI: each rank's output as under torchrun, a per-rank summary at the end")
+    parser.add_argument("--json", action="store_true",
+                        help='with --headless: JSON Lines events on stdout, the ranks\' output as {"type": '
+                        '"output", "rank": R, ...} events')
+    parser.add_argument("--log", metavar="FILE", help="write the run's events as JSON Lines to FILE")
+    parser.add_argument("--telemetry-interval", type=number("telemetry interval", at_least=0.2),
+                        default=1.0, metavar="S", help="seconds between samples of each rank's device or "
+                        "process, >= 0.2 (default 1)")
+    parser.add_argument("--no-telemetry", action="store_true", help="do not sample the ranks")
+    parser.add_argument("--grace", type=number("--grace", at_least=0.0), default=GRACE_S, metavar="S",
+                        help=f"seconds after SIGINT, then after SIGTERM, before stopping harder (default {GRACE_S:g})")
+    return parser
+
+
+def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, DdpLaunch]:
+    ours, torchrun, rest = split_options(argv, OPTIONS)
+    args = build_parser().parse_args(ours)
+    check_json_output(args)
+    target = parse_target(rest, args.log, None)
+    launch = parse_launch(torchrun, target)
+    if launch.several_nodes and launch.node_rank != 0 and not args.headless:
+        raise UsageError(f"--node-rank {launch.node_rank}: nodes other than 0 run headless (add --headless); "
+                         "node 0's dptui shows every rank")
+    return args, launch
+
+
+def main(argv: Sequence[str]) -> int:
+    try:
+        args, launch = parse(argv)
+        log = open_log(args.log) if args.log else None
+    except UsageError as error:
+        print(f"dptui run: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+
+    capture = not args.headless or args.json
+    run = DdpRun(launch, capture_output=capture, grace_s=args.grace,
+                 pass_stderr_to=None if capture else sys.stderr.buffer,
+                 telemetry_interval=None if args.no_telemetry else args.telemetry_interval)
+    try:
+        if log is not None:
+            run.subscribe(_json_lines(log))
+        if not args.headless:
+            from .app import run_script_app
+
+            notices: list[ScriptNotice] = []  # said once the UI has given the terminal back
+            run.subscribe(lambda event: notices.append(event) if isinstance(event, ScriptNotice) else None)
+            code = run_script_app(run)
+            for notice in notices:
+                _say_notices(notice)
+            return run.exit_code if run.exit_code is not None else code
+        return _run_headless(run, json_out=args.json)
+    finally:
+        run.kill()  # never leave torchrun or a rank behind, whatever happened here
+        if log is not None:
+            log.close()
+
+
+def _run_headless(run: DdpRun, json_out: bool) -> int:
+    guard = StopOnBrokenPipe(_json_lines(sys.stdout), run)
+    if json_out:
+        run.subscribe(guard)
+    run.subscribe(_say_notices)  # on stderr: --json keeps stdout to its events
+    summary = None
+    if not json_out:
+        from dpengine.eventlog.summary import RunSummary
+
+        summary = RunSummary()
+        run.subscribe(summary.feed)
+    signals = 0
+
+    def on_signal(signum, frame) -> None:
+        nonlocal signals
+        signals += 1
+        if signals == 1:
+            run.stop(signum)  # through torchrun, which passes it to every rank
+        else:
+            run.kill()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        run.run()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if summary is not None and summary.ranks():
+        from dpengine.eventlog.summary import rank_lines
+
+        print("\n".join(rank_lines(summary)), file=sys.stderr, flush=True)
+    if guard.broken:
+        silence_stdout()
+        return 0
+    return run.exit_code if run.exit_code is not None else EXIT_USAGE

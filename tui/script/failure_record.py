@@ -1,0 +1,71 @@
+"""torchrun's failure record: which ranks failed, with which exit status, the first one first.
+
+When a rank fails, torchrun ends the others and prints (on its stderr) a ChildFailedError whose
+record lists each failed rank, and the first observed failure as "Root Cause":
+
+    Failures:
+    [1]:
+      host      : node0
+      rank      : 0 (local_rank: 0)
+      exitcode  : -15 (pid: 8759)  (SIGTERM)
+    ------------------------------------------------------------
+    Root Cause (first observed failure):
+    [0]:
+      host      : node0
+      rank      : 1 (local_rank: 1)
+      exitcode  : 1 (pid: 8760)
+
+Fed every line torchrun itself writes, it keeps those entries. A rank's exit status comes from
+here only when the rank could not say it itself (a signal, or an exit before the bootstrap ran).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)")
+_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)\s*\(pid:\s*(\d+)\)")
+_HOST = re.compile(r"^\s*host\s*:\s*(\S+)")
+_ROOT = re.compile(r"^Root Cause \(first observed failure\)")
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    rank: int
+    exit_code: int  # as subprocess says it: -N for signal N
+    pid: int
+    host: str
+    root_cause: bool
+
+
+class FailureRecord:
+    """Feed it torchrun's lines; `failures` holds the entries read, the root cause first."""
+
+    def __init__(self) -> None:
+        self._entries: list[Failure] = []
+        self._in_root = False
+        self._host = ""
+        self._rank: int | None = None
+
+    def feed(self, line: str) -> None:
+        if _ROOT.match(line):
+            self._in_root = True
+        elif match := _HOST.match(line):
+            self._host = match.group(1)
+        elif match := _RANK.match(line):
+            self._rank = int(match.group(1))
+        elif (match := _EXIT.match(line)) and self._rank is not None:
+            self._entries.append(Failure(self._rank, int(match.group(1)), int(match.group(2)), self._host,
+                                         self._in_root))
+            self._rank, self._host = None, ""
+
+    @property
+    def failures(self) -> list[Failure]:
+        return sorted(self._entries, key=lambda f: not f.root_cause)
+
+    def exit_code_of(self, rank: int) -> int | None:
+        for failure in self._entries:
+            if failure.rank == rank:
+                return failure.exit_code
+        return None
