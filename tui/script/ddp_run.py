@@ -572,9 +572,10 @@ class DdpRun(Publisher):
         world = gen.world_size or len(gen.joined)
         if world and len(gen.finished) >= world and all(c == 0 for c in gen.finished.values()):
             return 0, None, None
-        # A rank whose script raised is the cause, even when torchrun saw a peer die first: a gloo
-        # rank whose peer is gone may abort (SIGABRT) in its collective before the raiser's exit.
-        for rank in sorted(gen.failed):
+        # The first rank whose script raised (in the order their reports came) is the cause, even when
+        # torchrun saw a peer die first: a gloo rank whose peer is gone raises or aborts (SIGABRT) in
+        # its collective after the first one raised.
+        for rank in gen.failed:
             return gen.remote_codes.get(rank) or 1, None, rank
         for failure in self._record.failures:
             if gen.finished.get(failure.rank) == 0:
