@@ -501,3 +501,15 @@ def test_the_first_screen_of_a_long_ddp_log_has_its_ranks_hosts_before_the_index
         assert [(r.host, r.local_rank, r.last.step) for r in snap.ranks] == [("node0", 0, 59), ("node0", 1, 59)]
     finally:
         index.close()
+
+
+def test_dptui_runs_log_says_which_rank_printed_a_line_and_keeps_each_ranks_progress_bar():
+    from tui.script.events import ScriptOutput
+
+    view = ScriptRunView("examples/train_ddp.py")
+    view.feed(ScriptOutput("stdout", "epoch 1: loss 0.5", rank=0))
+    view.feed(ScriptOutput("stdout", "torchrun says this"))
+    view.feed(ScriptOutput("stderr", " 40%|####", cr=True, rank=0))
+    view.feed(ScriptOutput("stderr", " 10%|#", cr=True, rank=1))
+    assert [line.text for line in view.take_log()] == ["[rank 0] epoch 1: loss 0.5", "torchrun says this"]
+    assert [line.text for line in view.live_lines()] == ["[rank 0]  40%|####", "[rank 1]  10%|#"]
