@@ -48,11 +48,11 @@ def test_headless_output_as_under_torchrun_then_a_summary_with_the_verdict():
     assert done.returncode == 0, done.stderr
     # Each rank's lines, unchanged: no prefix, no events.
     assert sorted(done.stdout.splitlines()) == sorted(f"rank {r} step {s}" for r in range(2) for s in range(30))
-    summary = done.stderr.splitlines()
+    summary = done.stderr.splitlines()  # what `dptui view --headless` of its log would print
     header = next(i for i, line in enumerate(summary) if line.startswith("rank  host"))
-    assert [line.split()[0] for line in summary[header + 1:header + 3]] == ["0", "1"]
-    assert [line.split()[2] for line in summary[header + 1:header + 3]] == ["30", "30"]
-    assert "straggler from step 16: rank 1, backward +48 ms/step over 15 steps" in summary
+    rows = [line.split() for line in summary[header + 1:header + 3]]
+    assert [(row[0], row[4], row[-1]) for row in rows] == [("0", "30", "finished"), ("1", "30", "finished")]
+    assert "  step 16: rank 1 is the straggler: backward +48.0 ms/step over 15 steps" in summary
 
 
 def test_json_events_carry_each_lines_rank_and_every_step(tmp_path):

@@ -127,6 +127,7 @@ class DdpRun(Publisher):
         self._paused_at: float | None = None
         self._notices_said: set[str] = set()
         self._steps = self._samples = 0
+        self._last_loss: float | None = None
         self._started_at = 0.0
         self._config: RunConfig | None = None
         self._remote_gen: dict[int, int] = {}  # node 0: another node's rank -> its generation
@@ -444,6 +445,8 @@ class DdpRun(Publisher):
         except EventLogError:
             return  # a damaged record: the next one comes
         gen.last_step[event.rank] = max(gen.last_step.get(event.rank, -1), event.step)
+        if event.loss is not None and event.rank == min(gen.last_step):
+            self._last_loss = event.loss  # the lowest rank's, as the status bar shows it
         self._steps += 1
         self._samples += event.samples
         self._rank_event(gen, event)
@@ -548,7 +551,7 @@ class DdpRun(Publisher):
             seconds = time.monotonic() - self._started_at
             if code == 0:
                 final: RunFinished | RunFailed = RunFinished(
-                    final_loss=None, epochs=0, steps=self._steps, samples=self._samples, seconds=seconds,
+                    final_loss=self._last_loss, epochs=0, steps=self._steps, samples=self._samples, seconds=seconds,
                     stopped=self._stopping)
             else:
                 where = f"rank {failed_rank}: " if failed_rank is not None else ""
