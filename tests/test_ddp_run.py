@@ -206,13 +206,17 @@ async def test_the_app_shows_the_ranks_output_and_space_pauses_them_in_lockstep(
     from pilot import log_text, press, quit_app, status, until
 
     from tui.script.app import ScriptApp
+    from tui.widgets.rank_panel import RankPanel
 
-    run = fake_ranks("forever=1", "step_s=0.02")
+    run = fake_ranks("forever=1", "step_s=0.02", "slow_rank=1")
     joined: list = []
     run.subscribe(lambda e: joined.append(e.pid) if isinstance(e, RankJoined) else None)
     app = ScriptApp(run)
     async with app.run_test(size=(120, 40)):
         await until(lambda: "rank 1 step 3" in log_text(app), what="rank 1's output in the log", timeout=TIMEOUT)
+        await until(lambda: len(app.query(RankPanel)) == 2, what="a panel per rank")
+        await until(lambda: "rank 1 is the straggler: data +48.0 ms/step" in status(app), what="the verdict")
+        assert [p.has_class("-straggler") for p in app.query(RankPanel)] == [False, True]
         await press(app, "space")
         await until(lambda: "● paused" in status(app), what="every rank paused")
         await press(app, "space")
