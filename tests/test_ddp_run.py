@@ -316,3 +316,40 @@ def test_a_node_with_the_wrong_rendezvous_is_not_taken():
                 assert lines == []
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_the_ui_in_a_real_terminal_stops_every_rank_when_dptui_is_signalled(signum, status):
+    import pty
+
+    master, slave = pty.openpty()
+    env = dict(os.environ, TERM="xterm-256color")
+    proc = subprocess.Popen([*DPTUI, "--nproc-per-node", "2", FAKE, "forever=1", "child=1", "step_s=0.05"],
+                            stdin=slave, stdout=slave, stderr=slave, env=env, start_new_session=True)
+    os.close(slave)
+    screen = bytearray()
+
+    def drain() -> None:  # a terminal that is not read would block the UI
+        while True:
+            try:
+                chunk = os.read(master, 1 << 16)
+            except OSError:
+                return
+            if not chunk:
+                return
+            screen.extend(chunk)
+
+    threading.Thread(target=drain, daemon=True).start()
+    try:
+        # dptui, torchrun, two ranks and their children (and the spawner's fork helpers, if any).
+        wait_for(lambda: len(psutil.Process(proc.pid).children(recursive=True)) >= 5 and b"step" in screen,
+                 "the ranks to get going", timeout=TIMEOUT)
+        family = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signum)
+        assert proc.wait(60) == status
+        for process in family:
+            wait_for(lambda: gone(process.pid), f"process {process.pid} ended", timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(master)

@@ -190,13 +190,14 @@ class DdpRun(Publisher):
         if started:
             threading.Thread(target=self._escalate, name="dptui-ddp-stop", daemon=True).start()
 
-    def hurry(self) -> None:
+    def hurry(self, signum: int = signal.SIGINT) -> None:
+        """Stop with `signum`, and if stopping already, without the grace periods."""
         with self._lock:
             again = self._stopping
         if again:
             self._hurry.set()
         else:
-            self.stop()
+            self.stop(signum)
 
     def kill(self) -> None:
         """End torchrun and every rank of this node now (dptui itself is going)."""
