@@ -353,3 +353,26 @@ def test_the_ui_in_a_real_terminal_stops_every_rank_when_dptui_is_signalled(sign
         if proc.poll() is None:
             proc.kill()
         os.close(master)
+
+
+def test_when_dptui_is_killed_torchrun_and_its_ranks_end_too():
+    proc = subprocess.Popen([*DPTUI, "--nproc-per-node", "2", "--headless", "--json", FAKE, "forever=1",
+                             "step_s=0.05"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    pids: list[int] = []
+
+    def read() -> None:
+        for raw in proc.stdout:
+            body = json.loads(raw)
+            if body["type"] == "rank_joined":
+                pids.append(body["pid"])
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        wait_for(lambda: len(pids) == 2, "both ranks", timeout=TIMEOUT)
+        family = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        proc.kill()  # SIGKILL: dptui cannot clean up; torchrun's parent-death signal does
+        proc.wait()
+        for pid in family + pids:
+            wait_for(lambda: gone(pid), f"process {pid} ended", timeout=60)
+    finally:
+        proc.kill()
