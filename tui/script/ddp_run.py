@@ -23,7 +23,6 @@ import signal
 import subprocess
 import threading
 import time
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import IO, Any
 
@@ -55,6 +54,7 @@ from .events import ScriptExited, ScriptNotice, ScriptOutput, ScriptStarted, Ste
 from .failure_record import FailureRecord
 from .node_link import NodeLink, node_channel, node_token
 from .output_lines import OutputLines
+from .rank_outcome import Generation, exit_status, rank_end
 from .rank_server import Connection, RankServer
 from .script_run import GRACE_S, HURRY_S
 
@@ -72,24 +72,6 @@ def collective_timeout(device: str) -> timedelta:
     if device.startswith("cuda"):
         return constants.default_pg_nccl_timeout or constants.default_pg_timeout
     return constants.default_pg_timeout
-
-
-@dataclass
-class _Generation:
-    """One start of the ranks (torchrun's restart count): who joined, who finished, who ended."""
-
-    number: int
-    world_size: int = 0
-    joined: dict[int, RankJoined] = field(default_factory=dict)
-    started: bool = False  # RunStarted published
-    held: list[Event] = field(default_factory=list)  # rank events before RunStarted
-    finished: dict[int, int] = field(default_factory=dict)  # rank -> the script's exit status
-    failed: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> its rank_failed line
-    ended: set[int] = field(default_factory=set)
-    remote_codes: dict[int, int] = field(default_factory=dict)  # another node's rank -> its exit status
-    states: dict[int, str] = field(default_factory=dict)
-    last_step: dict[int, int] = field(default_factory=dict)
-    timeout_s: float | None = None  # the collective timeout a rank's script chose (process_group line)
 
 
 class DdpRun(Publisher):
@@ -118,7 +100,7 @@ class DdpRun(Publisher):
         self._stop_signal = signal.SIGINT
         self._hurry = threading.Event()
         self._done = threading.Event()
-        self._gen = _Generation(0)
+        self._gen = Generation(0)
         self._straggler = StragglerWatch(self._publish_event)
         self._processes: dict[tuple[int, int], psutil.Process] = {}  # (generation, rank) -> this node's rank
         self._record = FailureRecord()
@@ -230,7 +212,7 @@ class DdpRun(Publisher):
             return self._paused_at + self._timeout(self._gen).total_seconds()
 
     @staticmethod
-    def _timeout(gen: _Generation) -> timedelta:
+    def _timeout(gen: Generation) -> timedelta:
         """The ranks' collective timeout: the script's, when a rank said it, else torch's default."""
         if gen.timeout_s is not None:
             return timedelta(seconds=gen.timeout_s)
@@ -389,7 +371,7 @@ class DdpRun(Publisher):
             self._remote_gen[joined.rank] = joined.restart
         if joined.restart > self._gen.number:
             self._restarted(self._gen)
-            self._gen = _Generation(joined.restart)
+            self._gen = Generation(joined.restart)
         gen = self._gen
         if joined.restart != gen.number:
             return
@@ -406,7 +388,7 @@ class DdpRun(Publisher):
         elif len(gen.joined) >= gen.world_size:
             self._start_generation(gen)
 
-    def _restarted(self, old: _Generation) -> None:
+    def _restarted(self, old: Generation) -> None:
         """torchrun restarted the ranks (--max-restarts): those of the old generation that had not
         ended by themselves were ended by torchrun, with SIGTERM, as it stops workers."""
         for rank in sorted(set(old.joined) - old.ended):
@@ -417,7 +399,7 @@ class DdpRun(Publisher):
                 self._rank_event(old, RankEnded(rank=rank, exit_code=-signal.SIGTERM, script_finished=False,
                                                 host=old.joined[rank].host, error="ended by torchrun for a restart"))
 
-    def _start_generation(self, gen: _Generation) -> None:
+    def _start_generation(self, gen: Generation) -> None:
         """RunStarted for this generation's ranks, then their joins and what they said meanwhile."""
         gen.started = True
         ranks = sorted(gen.joined)
@@ -434,13 +416,13 @@ class DdpRun(Publisher):
         for event in held:
             self._publish_event(event)
 
-    def _rank_event(self, gen: _Generation, event: Event) -> None:
+    def _rank_event(self, gen: Generation, event: Event) -> None:
         if gen.started:
             self._publish_event(event)
         else:
             gen.held.append(event)
 
-    def _on_step(self, gen: _Generation, body: dict[str, Any]) -> None:
+    def _on_step(self, gen: Generation, body: dict[str, Any]) -> None:
         try:
             event = decode_event({**body, "type": "rank_step"})
         except EventLogError:
@@ -452,7 +434,7 @@ class DdpRun(Publisher):
         self._samples += event.samples
         self._rank_event(gen, event)
 
-    def _on_state(self, gen: _Generation, rank: int, body: dict[str, Any]) -> None:
+    def _on_state(self, gen: Generation, rank: int, body: dict[str, Any]) -> None:
         state = body.get("state")
         if state not in ("paused", "running"):
             return
@@ -471,7 +453,7 @@ class DdpRun(Publisher):
             self._publish_event(StateChanged("running", self._requests))
 
     @staticmethod
-    def _all_in(gen: _Generation, state: str) -> bool:
+    def _all_in(gen: Generation, state: str) -> bool:
         live = [r for r in gen.joined if r not in gen.ended]
         return bool(live) and all(gen.states.get(r) == state for r in live)
 
@@ -499,7 +481,7 @@ class DdpRun(Publisher):
         if isinstance(event, TelemetrySampled) and self._gen.started:
             self._publish_event(event)
 
-    def _on_remote_end(self, gen: _Generation, body: dict[str, Any]) -> None:
+    def _on_remote_end(self, gen: Generation, body: dict[str, Any]) -> None:
         try:
             ended = decode_event(body)
         except EventLogError:
@@ -513,24 +495,10 @@ class DdpRun(Publisher):
                 gen.failed.setdefault(ended.rank, {"host": ended.host, "error": ended.error})
             self._rank_event(gen, ended)
 
-    def _rank_ended(self, gen: _Generation, rank: int, recorded: int | None) -> None:
-        """RankEnded once: the script's own status, else torchrun's record of the process."""
-        if rank in gen.ended:
-            return
-        gen.ended.add(rank)
-        failed = gen.failed.get(rank)
-        joined = gen.joined.get(rank)
-        if rank in gen.finished:
-            code = gen.finished[rank]
-        elif failed is not None:
-            code = recorded if recorded not in (None, 0) else 1
-        else:
-            code = recorded if recorded is not None else 0
-        self._rank_event(gen, RankEnded(
-            rank=rank, exit_code=code, script_finished=rank in gen.finished,
-            host=str((failed or {}).get("host") or (joined.host if joined else "")),
-            error=str((failed or {}).get("error") or ""), traceback=str((failed or {}).get("traceback") or ""),
-        ))
+    def _rank_ended(self, gen: Generation, rank: int, recorded: int | None) -> None:
+        ended = rank_end(gen, rank, recorded)
+        if ended is not None:
+            self._rank_event(gen, ended)
 
     # -- the end ------------------------------------------------------------------------
 
@@ -541,12 +509,15 @@ class DdpRun(Publisher):
                 self._start_generation(gen)  # a rank never said hello: show those that did
             for rank in sorted(set(gen.joined) | {f.rank for f in self._record.failures}):
                 self._rank_ended(gen, rank, self._record.exit_code_of(rank))
-            code, signame, failed_rank = self._exit_status(gen, returncode)
+            status = exit_status(gen, self._record, self.stop_signal, returncode)
+            code, signame, failed_rank = status.code, status.signal, status.failed_rank
             self.exit_code = code
+            for note in status.notes:
+                self._notice(note, key=None)
             if failed_rank is not None:
-                failed = gen.failed.get(failed_rank, {})
-                host = failed.get("host") or (gen.joined[failed_rank].host if failed_rank in gen.joined else "")
-                how = failed.get("error") or f"exit status {code}" + (f" ({signame})" if signame else "")
+                host = gen.host_of(failed_rank)
+                how = gen.failed.get(failed_rank, {}).get("error") or f"exit status {code}" + (
+                    f" ({signame})" if signame else "")
                 self._notice(f"rank {failed_rank}{f' on {host}' if host else ''} failed: {how}", key=None)
             self._publish_event(ScriptExited(code, signame))
             seconds = time.monotonic() - self._started_at
@@ -560,36 +531,6 @@ class DdpRun(Publisher):
                                   replica=failed_rank)
             self._publish_event(final)
             return final
-
-    def _exit_status(self, gen: _Generation, returncode: int) -> tuple[int, str | None, int | None]:
-        """dptui's status, the signal's name if one ended the failed rank, and the first failed rank.
-
-        0 when every rank's script finished with 0 (a gloo rank that aborts in teardown after its
-        script finished is finished, with a note); else the first failed rank's status (128+N for
-        signal N); after dptui was stopped, 130 (Ctrl-C, q) or 143 (SIGTERM)."""
-        teardown = [f for f in self._record.failures if gen.finished.get(f.rank) == 0 and f.exit_code != 0]
-        for failure in teardown:
-            self._notice(f"rank {failure.rank} ended with {_status_text(failure.exit_code)} in interpreter "
-                         "teardown after its script finished: counted as finished", key=None)
-        if self._stopping:
-            return 128 + int(self._stop_signal), None, None
-        world = gen.world_size or len(gen.joined)
-        if world and len(gen.finished) >= world and all(c == 0 for c in gen.finished.values()):
-            return 0, None, None
-        for failure in self._record.failures:
-            if gen.finished.get(failure.rank) == 0:
-                continue  # teardown, said above
-            code = gen.finished.get(failure.rank, failure.exit_code)
-            return _shell_status(code), _signal_name(code), failure.rank
-        for rank in sorted(gen.failed):
-            return gen.remote_codes.get(rank) or 1, None, rank
-        for rank, code in sorted(gen.remote_codes.items()):
-            if code != 0 and gen.finished.get(rank) != 0:
-                return _shell_status(code), _signal_name(code), rank
-        bad = [r for r, c in sorted(gen.finished.items()) if c != 0]
-        if bad:
-            return _shell_status(gen.finished[bad[0]]), None, bad[0]
-        return _shell_status(returncode), _signal_name(returncode), None
 
     # -- signals and control ----------------------------------------------------------
 
@@ -663,24 +604,6 @@ def _ended_within(proc: subprocess.Popen, seconds: float, unless: threading.Even
             return False
         time.sleep(min(left, 0.02))
     return True
-
-
-def _shell_status(code: int) -> int:
-    return 128 - code if code < 0 else code
-
-
-def _signal_name(code: int) -> str | None:
-    if code >= 0:
-        return None
-    try:
-        return signal.Signals(-code).name
-    except ValueError:
-        return None
-
-
-def _status_text(code: int) -> str:
-    name = _signal_name(code)
-    return name if name else f"exit status {code}"
 
 
 def _minutes(delta: timedelta) -> str:
