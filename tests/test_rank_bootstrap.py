@@ -168,7 +168,8 @@ model.register_comm_hook(None, counting_hook)
 assert isinstance(model, torch.nn.parallel.distributed.DistributedDataParallel)
 assert isinstance(model, torch.nn.parallel.DistributedDataParallel)
 assert type(model).__name__ == "DistributedDataParallel" and isinstance(model.module, Net)
-assert sorted(model.state_dict()) == ["module.unused.bias", "module.unused.weight", "module.used.bias", "module.used.weight"]
+keys = ["module.unused.bias", "module.unused.weight", "module.used.bias", "module.used.weight"]
+assert sorted(model.state_dict()) == keys
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
 with torch.no_grad():
@@ -202,7 +203,7 @@ def test_accumulation_a_comm_hook_unused_parameters_and_a_grad_scaler(tmp_path: 
         steps = {rank: receiver.steps(rank) for rank in (0, 1)}
         finished = receiver.of("script_finished")
     assert sorted(m["exit_code"] for m in finished) == [0, 0], err
-    assert f"hook calls 0 6" in out and "hook calls 1 6" in out  # the script's own hook ran every sync
+    assert "hook calls 0 6" in out and "hook calls 1 6" in out  # the script's own hook ran every sync
     losses = printed_losses(out)
     for rank in (0, 1):
         assert sorted(steps[rank]) == list(range(6))  # an optimizer step is a step; the no_grad forward none

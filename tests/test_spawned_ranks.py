@@ -37,7 +37,8 @@ def test_spawned_ranks_say_hello_and_send_their_steps() -> None:
         hellos = receiver.of("hello")
         steps = {rank: receiver.steps(rank) for rank in (0, 1)}
         finished = receiver.of("script_finished")
-    assert sorted((h["rank"], h["world_size"], h["token"]) for h in hellos) == [(0, 2, "test-token"), (1, 2, "test-token")]
+    said = sorted((h["rank"], h["world_size"], h["token"]) for h in hellos)
+    assert said == [(0, 2, "test-token"), (1, 2, "test-token")]
     losses = {}
     for line in done.stdout.splitlines():
         if line.startswith("loss "):

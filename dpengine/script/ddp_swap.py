@@ -29,7 +29,7 @@ TorchDDP = torch_distributed.DistributedDataParallel
 
 _steps: RankSteps | None = None
 _make_steps: Callable[[HostClock | CudaClock], RankSteps] | None = None
-_notice: Callable[[str], None] = lambda text: None
+_notice: Callable[[str], None] | None = None
 _said: set[str] = set()
 _lock = threading.Lock()
 
@@ -145,7 +145,7 @@ def _rank_steps(ddp: TorchDDP) -> None:
 
 
 def say_once(text: str) -> None:
-    if text not in _said:
+    if text not in _said and _notice is not None:
         _said.add(text)
         _notice(text)
 
