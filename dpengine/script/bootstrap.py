@@ -38,6 +38,7 @@ def _stay_with_dptui() -> None:
 def _connect() -> None:
     from . import unrecorded, wire
     from .link import ParentLink
+    from .spawned_rank import carry_into_spawned_children
     from .swap import install, release_steps
 
     events_fd = int(_take_env(wire.EVENTS_FD))
@@ -47,6 +48,7 @@ def _connect() -> None:
         os.set_inheritable(fd, False)
     link = ParentLink(events_fd, control_fd, devices)
     unrecorded.watch(link)
+    carry_into_spawned_children()  # ranks the script spawns itself are watched as DDP ranks
     install(link)
     atexit.register(link.flush)
     atexit.register(release_steps)  # first (atexit runs last in first): the held steps, then the flush

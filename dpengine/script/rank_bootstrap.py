@@ -12,6 +12,7 @@ an abort in gloo's interpreter teardown after it is reported as such, never as a
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import socket
@@ -31,72 +32,89 @@ def main() -> None:
     from .keeper import die_with_parent
 
     die_with_parent(os.getppid(), signal.SIGKILL)  # torchrun's agent: a rank never outlives it
-    link = _connect(os.environ.pop(rank_wire.CHANNEL), os.environ.pop(rank_wire.TOKEN))
-    _record(link)
-    from .bootstrap import run_script
-
-    def ended(exit_code: int, error: BaseException | None) -> None:
-        if link is None:
-            return
-        _finish_steps()  # the last step, before the end is said
-        if error is None:
-            link.script_finished(exit_code)
-        else:
-            text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-            line = f"{type(error).__name__}: {error}".splitlines()[0] if str(error) else type(error).__name__
-            link.rank_failed(socket.gethostname(), line, text)
-        link.flush()
-
-    run_script(argv, ended)
-
-
-def _hello(token: str) -> dict:
     env = os.environ
     local_rank = int(env.get("LOCAL_RANK", 0))
+    link = connect(env.pop(rank_wire.CHANNEL), hello(
+        env.pop(rank_wire.TOKEN), rank=int(env.get("RANK", 0)), local_rank=local_rank,
+        world_size=int(env.get("WORLD_SIZE", 1)), node_rank=int(env.get("GROUP_RANK", 0)),
+        restart=int(env.get("TORCHELASTIC_RESTART_COUNT", 0))))
+    if link is not None:
+        from . import ddp_swap
+
+        ddp_swap.install(lambda clock: rank_steps(link, clock), link.notice)
+        on_process_group(lambda said: link.post({"type": "process_group", "rank": link.rank, **said}))
+    from .bootstrap import run_script
+
+    run_script(argv, lambda exit_code, error: script_ended(link, exit_code, error))
+
+
+def hello(token: str, *, rank: int, local_rank: int, world_size: int, node_rank: int = 0, restart: int = 0) -> dict:
     import torch
 
     device = f"cuda:{local_rank}" if torch.cuda.is_available() and local_rank < torch.cuda.device_count() else "cpu"
-    return {
-        "token": token, "rank": int(env.get("RANK", 0)), "local_rank": local_rank,
-        "world_size": int(env.get("WORLD_SIZE", 1)), "node_rank": int(env.get("GROUP_RANK", 0)),
-        "host": socket.gethostname(), "pid": os.getpid(), "device": device,
-        "restart": int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
-    }
+    return {"token": token, "rank": rank, "local_rank": local_rank, "world_size": world_size,
+            "node_rank": node_rank, "host": socket.gethostname(), "pid": os.getpid(), "device": device,
+            "restart": restart}
 
 
-def _connect(address: str, token: str):
+def connect(address: str, hello: dict):
+    """The rank's link to dptui, or None (said in one line) if dptui cannot be reached."""
     from .rank_link import RankLink
 
     try:
-        return RankLink.connect(address, _hello(token))
+        return RankLink.connect(address, hello)
     except (OSError, ValueError) as error:
-        print(f"dptui: rank {os.environ.get('RANK', '?')} cannot reach dptui at {address} ({error}); "
-              "it trains unrecorded", file=sys.stderr)
+        print(f"dptui: rank {hello['rank']} cannot reach dptui at {address} ({error}); it trains unrecorded",
+              file=sys.stderr)
         return None
 
 
-def _record(link) -> None:
-    """Swap DDP for the recording one; its steps go to `link` (without one there is nothing to record for)."""
-    if link is None:
-        return
-    from . import ddp_swap, training_hooks
+def on_process_group(then) -> None:
+    """`then({"backend", "timeout_s"})` each time the script's init_process_group returns: the
+    collective timeout it chose (None: torch's default for the backend), for dptui's pause notice."""
+    import torch.distributed as dist
+
+    c10d = sys.modules["torch.distributed.distributed_c10d"]
+    init = c10d.init_process_group
+
+    @functools.wraps(init)
+    def init_process_group(*args, **kwargs):
+        result = init(*args, **kwargs)
+        timeout = kwargs.get("timeout")
+        then({"backend": str(dist.get_backend()),
+              "timeout_s": timeout.total_seconds() if hasattr(timeout, "total_seconds") else None})
+        return result
+
+    c10d.init_process_group = init_process_group
+    dist.init_process_group = init_process_group
+
+
+def rank_steps(link, clock):
+    """The rank's phase clock, made when the script builds its first DDP (which chooses the clock)."""
+    from . import training_hooks
     from .step_phases import RankSteps
 
-    def make_steps(clock):
-        steps = RankSteps(link.rank, clock, link.post_step, link.before_step)
-        training_hooks.listen(steps)
-        return steps
-
-    ddp_swap.install(make_steps, link.notice)
+    steps = RankSteps(link.rank, clock, link.post_step, link.before_step)
+    training_hooks.listen(steps)
+    return steps
 
 
-def _finish_steps() -> None:
-    """The last step, if the script built a DDP at all."""
+def script_ended(link, exit_code: int, error: BaseException | None) -> None:
+    """The last step, then how the script ended, flushed: before the interpreter's teardown."""
+    if link is None:
+        return
     from . import ddp_swap
 
     steps = ddp_swap.current_steps()
     if steps is not None:
         steps.finish()
+    if error is None:
+        link.script_finished(exit_code)
+    else:
+        text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        line = f"{type(error).__name__}: {error}".splitlines()[0] if str(error) else type(error).__name__
+        link.rank_failed(socket.gethostname(), line, text)
+    link.flush()
 
 
 if __name__ == "__main__":

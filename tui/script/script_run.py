@@ -41,6 +41,7 @@ from . import spawner
 from .events import DataParallelSeen, ScriptExited, ScriptNotice, ScriptOutput, ScriptStarted, StepsDropped
 from .notices import end_notices
 from .output_lines import OutputLines
+from .spawned_ranks import SpawnedRanks
 
 GRACE_S = 5.0  # after SIGINT, then after SIGTERM, before the next signal
 HURRY_S = 1.0  # asked to stop again while stopping: SIGTERM now, SIGKILL this much later
@@ -106,6 +107,7 @@ class ScriptRun(Publisher):
         self._last_loss: float | None = None
         self._requests = 0  # numbered as a Trainer numbers them; the child's events carry them back
         self.exit_code: int | None = None
+        self._ranks = SpawnedRanks(target.label, self._publish)  # DDP ranks the script spawns itself
 
     # -- what the UI drives -----------------------------------------------------------
 
@@ -131,11 +133,13 @@ class ScriptRun(Publisher):
             self._signal_group(signal.SIGKILL)  # whatever it left behind: no orphans
             for reader in readers:
                 reader.join(timeout=5)
+            self._ranks.wait_closed(timeout=5)
             if poller is not None:
                 poller.stop()
                 poller.source.close()
             return self._finish(code)
         finally:
+            self._ranks.close()
             self._close_control()
             self._done.set()
 
@@ -209,6 +213,7 @@ class ScriptRun(Publisher):
         env[wire.LIFELINE_FD] = str(lifeline_r)
         env[wire.PARENT_PID] = str(os.getpid())
         env[wire.DEVICES] = ",".join(self._devices_arg)
+        env.update(self._ranks.start())
         if self._capture:
             env["PYTHONUNBUFFERED"] = "1"  # lines as they are printed, not in 8 KiB blocks
         pipe = subprocess.PIPE if self._capture else None
@@ -341,8 +346,9 @@ class ScriptRun(Publisher):
         seconds = time.monotonic() - self._started_at
         gpus = sum(d.startswith("cuda:") for d in self._available)
         completed = code == 0 and not self._stopping
-        for text in end_notices(list(self._seen), self._stepped, self._used, gpus, completed):
-            self._publish(ScriptNotice(text))
+        if self._seen or not self._ranks.joined:  # ranks it spawned were watched: no "built no DataParallel"
+            for text in end_notices(list(self._seen), self._stepped, self._used, gpus, completed):
+                self._publish(ScriptNotice(text))
         self._publish(ScriptExited(code, signame))
         if code == 0:
             final: RunFinished | RunFailed = RunFinished(

@@ -1,0 +1,34 @@
+"""On the path of the interpreters a script under `dptui run` starts: watch multiprocessing's spawned
+children as DDP ranks (dpengine.script.spawned_rank), then run the sitecustomize this one shadows.
+
+Python imports one `sitecustomize`, the first on sys.path; this one does nothing else in a process
+that is not a spawned child, or when no dptui listens (DPTUI_RANK_CHANNEL unset).
+"""
+
+import importlib.machinery
+import importlib.util
+import os
+import sys
+
+
+def _watch() -> None:
+    if "--multiprocessing-fork" not in sys.argv or not os.environ.get("DPTUI_RANK_CHANNEL"):
+        return
+    try:
+        from dpengine.script import spawned_rank
+    except ImportError:  # an interpreter without dptui's packages: nothing to watch with
+        return
+    spawned_rank.install()
+
+
+def _chain() -> None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", path)
+    if spec is not None and spec.loader is not None:
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+
+
+_watch()
+_chain()

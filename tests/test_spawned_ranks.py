@@ -1,0 +1,92 @@
+"""Ranks a script starts itself (torch.multiprocessing.spawn, the DDP tutorial's way) are watched under
+plain `dptui run` as torchrun's are: each spawned child swaps DDP and connects to DPTUI_RANK_CHANNEL."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from rank_receiver import RankReceiver, ended
+
+from dpengine.script import rank_wire
+from dpengine.script.spawned_rank import SITE_DIR
+
+SCRIPT = Path(__file__).parent / "fixtures" / "scripts" / "spawned_ranks.py"
+
+
+def free_port() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return str(sock.getsockname()[1])
+
+
+def printed_losses(out: str) -> dict[tuple[int, int], float]:
+    losses = {}
+    for line in out.splitlines():
+        if line.startswith("loss "):
+            _, rank, step, value = line.split()
+            losses[int(rank), int(step)] = float(value)
+    return losses
+
+
+def dptui_json(*args: str) -> tuple[int, list[dict]]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DPTUI_")}
+    done = subprocess.run([sys.executable, "-m", "tui.cli", "run", "--headless", "--json", "--no-telemetry",
+                           str(SCRIPT), free_port(), *args], env=env, capture_output=True, text=True, timeout=240)
+    return done.returncode, [json.loads(line) for line in done.stdout.splitlines()]
+
+
+def test_dptui_run_shows_the_ranks_a_script_spawns() -> None:
+    code, events = dptui_json("4")
+    assert code == 0
+    kinds = [e["type"] for e in events]
+    started = events[kinds.index("run_started")]
+    assert started["config"]["backend"] == "ddp" and started["config"]["devices"] == ["cpu", "cpu"]
+    assert sorted(e["rank"] for e in events if e["type"] == "rank_joined") == [0, 1]
+    assert kinds.index("run_started") < min(i for i, k in enumerate(kinds) if k == "rank_step")
+    printed = "\n".join(e["line"] for e in events if e["type"] == "output")
+    losses = printed_losses(printed)
+    steps = {(e["rank"], e["step"]): e for e in events if e["type"] == "rank_step"}
+    assert sorted(steps) == sorted(losses) and len(steps) == 8
+    assert all(steps[key]["loss"] == pytest.approx(value) for key, value in losses.items())
+    ends = sorted((e["rank"], e["exit_code"], e["script_finished"]) for e in events if e["type"] == "rank_ended")
+    assert ends == [(0, 0, True), (1, 0, True)]
+    assert not any("built no torch.nn.DataParallel" in e.get("text", "") for e in events)  # it saw the ranks
+
+
+def test_a_spawned_rank_that_raises_is_named_with_its_error() -> None:
+    code, events = dptui_json("2", "1")
+    assert code != 0
+    (failed,) = [e for e in events if e["type"] == "rank_ended" and not e["script_finished"]]
+    assert failed["rank"] == 1 and failed["error"] == "RuntimeError: rank 1 lost its data"
+    assert "spawned_ranks.py" in failed["traceback"]
+
+
+def spawn_script(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    """The script under plain python, with what dptui run's bootstrap gives its children."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DPTUI_")} | env
+    env["PYTHONPATH"] = os.pathsep.join([SITE_DIR, *filter(None, [os.environ.get("PYTHONPATH")])])
+    return subprocess.run([sys.executable, str(SCRIPT), free_port(), *args], env=env, capture_output=True,
+                          text=True, timeout=240)
+
+
+def test_spawned_children_say_hello_with_the_token_and_send_their_steps() -> None:
+    with RankReceiver() as receiver:
+        done = spawn_script({rank_wire.CHANNEL: receiver.address, rank_wire.TOKEN: receiver.token}, "3")
+        assert done.returncode == 0, done.stderr
+        ended(receiver, 2)
+        said = sorted((h["rank"], h["world_size"], h["token"]) for h in receiver.of("hello"))
+        steps = {rank: receiver.steps(rank) for rank in (0, 1)}
+    assert said == [(0, 2, "test-token"), (1, 2, "test-token")]
+    assert all(sorted(steps[rank]) == [0, 1, 2] for rank in (0, 1))
+
+
+def test_without_a_dptui_listening_the_children_are_left_alone() -> None:
+    done = spawn_script({}, "2")
+    assert done.returncode == 0, done.stderr
+    assert len(printed_losses(done.stdout)) == 4
