@@ -77,7 +77,7 @@ def test_each_rank_shows_the_step_every_rank_has_reported_with_its_host_local_ra
     zero, one = snap.ranks
     assert (zero.last.step, zero.steps, one.last.step) == (0, 2, 0)  # rank 0's step 1 waits for rank 1's
     assert one.host == "node1" and one.local_rank == 1 and one.device == "cpu"
-    assert snap.rank_step == 0
+    assert snap.rank_step == 0 and snap.step == 1  # steps done, as a DataParallel run counts them (the charts')
     assert view.started  # ranks joined: steering keys work although no run_started came
     assert snap.loss == 0.5 and snap.loss_history == (0.5, 0.5)  # the lowest rank's
     view.feed(rank_step(1, 1))
@@ -192,6 +192,7 @@ async def test_dptui_view_of_a_ddp_log_shows_a_panel_per_rank_and_steps_through_
         assert rank_1.view.last.step == 30  # every rank's record of the shown step
         assert app.query(RankPanel).first().view.last.step == 30
         assert "rank 1 is the straggler: data +48.0 ms/step over 20 steps" in str(app.status.render())
+        assert "recording: step 30 (31 of 60)" in str(app.status.render())  # numbered as the panels number it
         assert rank_1.border_title == "rank 1 · node0 · local 1 · cpu"
 
         await pilot.press("left")  # back across the verdict's start: rebuilt from the log, verdict and all

@@ -197,8 +197,8 @@ class DptuiApp(App[None]):
             self._shown_state = snap.state
             self.refresh_bindings()  # Pause or Resume
         with self.batch_update():
+            self.devices.show_ranks(snap.ranks)  # a DDP run's: in the device panels' place
             self.status.show(snap)
-            self.devices.show_ranks(snap.ranks)
             self.devices.show(snap.panels)
             self.loss_chart.show(fmt.loss(snap.loss), snap.loss_history)
             self.throughput_chart.show(fmt.rate(snap.samples_per_s), snap.throughput_history)

@@ -18,21 +18,14 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from dpengine.eventlog.events import (
-    RANK_STEP_PHASES,
-    RankEnded,
-    RankJoined,
-    RankStepFinished,
-    StragglerCleared,
-    StragglerFound,
-)
-from dpengine.eventlog.summary import rank_end_words
+from dpengine.eventlog.events import RankEnded, RankJoined, RankStepFinished, StragglerCleared, StragglerFound
+from dpengine.eventlog.summary import STEP_PHASES, rank_end_words
 from dpengine.telemetry.sample import DeviceSample, rank_device
 
 from . import format as fmt
 
 # A step's phases in the order they happen, with the short names the panels show.
-PHASES = RANK_STEP_PHASES
+PHASES = STEP_PHASES
 PHASE_LABELS = {"data": "data", "forward": "fwd", "backward": "bwd", "comm_wait": "wait", "optimizer": "opt",
                 "other": "oth"}
 HISTORY_POINTS = 240  # the loss and rate charts, from the lowest rank's steps

@@ -409,7 +409,7 @@ class RunView:
                 batch_size=self._batch_size,
                 epoch=step.epoch if step else 0,
                 epochs=config.epochs if config else None,
-                step=step.step if step else 0,
+                step=step.step if step else self._ranks.last_step + 1,  # a DDP run's: steps done
                 step_in_epoch=step.step_in_epoch if step else 0,
                 steps_in_epoch=step.steps_in_epoch if step else 0,
                 loss=step.loss if step else self._ranks.loss,

@@ -131,10 +131,6 @@ class RunFailed:
 # older logs: lay the phases end to end and say "approximate").
 
 
-# A rank step's phases, in the order they happen: each is `<phase>_ms` (and `<phase>_start_ms`).
-RANK_STEP_PHASES = ("data", "forward", "backward", "comm_wait", "optimizer", "other")
-
-
 @dataclass(frozen=True, slots=True)
 class RankJoined:
     """A rank connected to dptui: once per rank and generation (restart)."""

@@ -13,7 +13,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .events import (
-    RANK_STEP_PHASES,
     RankEnded,
     RankJoined,
     RankStepFinished,
@@ -25,9 +24,6 @@ from .events import (
     StragglerFound,
 )
 
-STEP_PHASES = RANK_STEP_PHASES
-MAX_VERDICTS = 50  # kept for the summary; a run whose verdict flips more often says how many more
-
 
 @dataclass(frozen=True, slots=True)
 class DeviceSummary:
@@ -37,6 +33,11 @@ class DeviceSummary:
     forward_ms: float | None  # mean over its chunks
     backward_ms: float | None  # mean over the chunks whose backward was recorded
     peak_memory_bytes: int | None  # the step peak on CUDA, else the largest saved-tensor memory
+
+
+# A DDP rank step's phases, in the order they happen: each is its `<phase>_ms` field.
+STEP_PHASES = ("data", "forward", "backward", "comm_wait", "optimizer", "other")
+MAX_VERDICTS = 50  # kept for the summary; a run whose verdict flips more often says how many more
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,14 +206,6 @@ class RunSummary:
         )
 
 
-def summarize(events: Iterable[object]) -> tuple[DeviceSummary, ...]:
-    """One summary per device that ran a replica, in the order they first appear."""
-    summary = RunSummary()
-    for event in events:
-        summary.feed(event)
-    return summary.devices()
-
-
 # -- a DDP run's summary in words (dptui view --headless, dptui run --headless) -------------------
 
 
@@ -279,3 +272,11 @@ def rank_lines(summary: RunSummary) -> list[str]:
         if summary.more_verdicts:
             lines.append(f"  and {summary.more_verdicts} more")
     return lines
+
+
+def summarize(events: Iterable[object]) -> tuple[DeviceSummary, ...]:
+    """One summary per device that ran a replica, in the order they first appear."""
+    summary = RunSummary()
+    for event in events:
+        summary.feed(event)
+    return summary.devices()
