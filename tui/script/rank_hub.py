@@ -113,13 +113,25 @@ class RankHub:
         if self._server is not None:
             self._server.close()
 
+    @property
+    def joined(self) -> bool:
+        """Whether any rank has connected."""
+        return bool(self.gen.joined)
+
     def wait_for_nodes(self, seconds: float = NODES_WAIT_S) -> None:
         """Node 0: the other nodes' dptui send their ranks' ends once their torchrun has ended."""
+        self._wait_closed(lambda conn: conn.is_node, seconds)
+
+    def wait_for_ranks(self, seconds: float) -> None:
+        """The launcher has ended: its ranks' last lines and ends, for at most `seconds`."""
+        self._wait_closed(lambda conn: not conn.is_node, seconds)
+
+    def _wait_closed(self, which: Callable[[Connection], bool], seconds: float) -> None:
         deadline = time.monotonic() + seconds
         while self._server is not None and time.monotonic() < deadline:
-            if not any(conn.is_node for conn in self._server.connections()):
+            if not any(which(conn) for conn in self._server.connections()):
                 return
-            time.sleep(0.05)
+            time.sleep(0.02)
 
     # -- pause and resume, in lockstep ----------------------------------------------------
 
@@ -347,14 +359,18 @@ class RankHub:
 
     # -- the end ----------------------------------------------------------------------------
 
-    def finish(self, record: FailureRecord, stopped_by: int | None, launcher_code: int) -> ExitStatus:
-        """The launcher has ended: every rank's end said, and dptui's exit status, with what to say."""
+    def finish(self, record: FailureRecord, stopped_by: int | None, launcher_code: int,
+               unsaid: int | None = None) -> ExitStatus:
+        """The launcher has ended: every rank's end said, and dptui's exit status, with what to say.
+        `unsaid`: the status of a rank that neither said how it ended nor is in `record` (None: torchrun
+        lists every failed rank, so it exited 0; a script's own spawn says nothing of them)."""
         with self.lock:
             gen = self.gen
             if not gen.started and gen.joined:
                 self._start_generation(gen)  # a rank never said hello: show those that did
             for rank in sorted(set(gen.joined) | {f.rank for f in record.failures}):
-                self._rank_ended(gen, rank, record.exit_code_of(rank))
+                recorded = record.exit_code_of(rank)
+                self._rank_ended(gen, rank, unsaid if recorded is None else recorded)
             status = exit_status(gen, record, stopped_by, launcher_code)
             for note in status.notes:
                 self.notice(note)

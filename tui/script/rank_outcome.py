@@ -56,8 +56,11 @@ def rank_end(gen: Generation, rank: int, recorded: int | None) -> RankEnded | No
         code = recorded if recorded not in (None, 0) else 1
     else:
         code = recorded if recorded is not None else 0
+    error = str(failed.get("error") or "")
+    if not error and code != 0 and rank not in gen.finished:
+        error = "ended before its script finished"
     return RankEnded(rank=rank, exit_code=code, script_finished=rank in gen.finished, host=gen.host_of(rank),
-                     error=str(failed.get("error") or ""), traceback=str(failed.get("traceback") or ""))
+                     error=error, traceback=str(failed.get("traceback") or ""))
 
 
 @dataclass(frozen=True)
