@@ -113,3 +113,14 @@ def test_two_nodes_on_loopback_node_0_shows_both_ranks():
     assert sorted((s["rank"], s["step"]) for s in of_type(events, "rank_step")) == [
         (r, s) for r in range(2) for s in range(22)]
     assert verdicts(events)[:1] == [(1, "forward")]
+
+
+def test_a_module_runs_as_python_m_would_on_every_rank():
+    done = subprocess.run([*DPTUI, "--nproc-per-node", "2", "--headless", "--json", "--no-telemetry", "-m",
+                           "slow_rank_ddp", "none", "3"], capture_output=True, text=True, timeout=TIMEOUT,
+                          cwd=Path(SCRIPT).parent)
+    assert done.returncode == 0, done.stderr
+    events = json_events(done.stdout)
+    assert sorted((s["rank"], s["step"]) for s in of_type(events, "rank_step")) == [
+        (r, s) for r in range(2) for s in range(3)]
+    assert of_type(events, "run_started")[0]["config"]["workload"] == "-m slow_rank_ddp"
