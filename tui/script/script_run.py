@@ -171,10 +171,14 @@ class ScriptRun(Publisher):
         self._signal_group(signal.SIGKILL)
 
     def pause(self) -> int:
-        return self._send({"op": "pause"})
+        request = self._send({"op": "pause"})
+        self._ranks.pause(request)  # the DDP ranks it spawned, if any
+        return request
 
     def resume(self) -> int:
-        return self._send({"op": "resume"})
+        request = self._send({"op": "resume"})
+        self._ranks.resume(request)
+        return request
 
     def show_next_instance(self) -> str:
         """Let the panels follow the next DataParallel the script built, from its next step."""

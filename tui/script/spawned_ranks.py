@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from dpengine.eventlog.events import Event, RankEnded, RankJoined, RunConfig, RunStarted
+from dpengine.eventlog.events import Event, RankEnded, RankJoined, RunConfig, RunStarted, StateChanged
 from dpengine.eventlog.reader import EventLogError, decode_event
 from dpengine.script import rank_wire
 
@@ -36,6 +36,9 @@ class SpawnedRanks:
         self._held: list[Any] = []  # what ranks said before all had joined
         self._started = False
         self._open = threading.Condition(self._lock)  # notified as ranks' connections close
+        self._last_step: dict[int, int] = {}
+        self._states: dict[int, str] = {}  # rank -> "paused" | "running", as it last said
+        self._request: int | None = None  # the pause or resume the ranks' states answer
 
     def start(self) -> dict[str, str]:
         """Listen; the environment the script's process passes on to its spawned children."""
@@ -46,6 +49,20 @@ class SpawnedRanks:
     @property
     def joined(self) -> bool:
         return bool(self._joined)
+
+    def pause(self, request: int) -> None:
+        """Every rank pauses before the same step (lockstep), as --nproc-per-node's ranks do."""
+        from .ddp_run import PAUSE_AHEAD  # ddp_run imports script_run, which imports this
+
+        with self._lock:
+            self._request = request
+            step = max(self._last_step.values(), default=-1) + PAUSE_AHEAD
+        self._server.send_all({"op": "pause", "step": step})
+
+    def resume(self, request: int) -> None:
+        with self._lock:
+            self._request = request
+        self._server.send_all({"op": "resume"})
 
     def wait_closed(self, timeout: float) -> None:
         """The script has ended: give its ranks' last lines and ends the time to arrive."""
@@ -66,9 +83,16 @@ class SpawnedRanks:
                 return
             if kind == "rank_step":
                 try:
-                    self._say(decode_event({**body, "type": "rank_step"}))
+                    step = decode_event({**body, "type": "rank_step"})
                 except EventLogError:
-                    pass  # a damaged record: the next one comes
+                    return  # a damaged record: the next one comes
+                self._last_step[rank] = max(self._last_step.get(rank, -1), step.step)
+                self._say(step)
+            elif kind == "state" and body.get("state") in ("paused", "running"):
+                before = self._all("paused")
+                self._states[rank] = body["state"]
+                if self._all("paused") != before:
+                    self._say(StateChanged("running" if before else "paused", self._request))
             elif kind == "dropped":
                 self._say(StepsDropped(f"rank {rank}", int(body.get("steps", 0))))
             elif kind == "notice":
@@ -89,6 +113,10 @@ class SpawnedRanks:
             self._publish(joined)
         elif len(self._joined) >= joined.world_size:
             self._start_run()
+
+    def _all(self, state: str) -> bool:
+        live = set(self._ranks.values())
+        return bool(live) and all(self._states.get(r) == state for r in live)
 
     def _start_run(self) -> None:
         ranks = sorted(self._joined)
