@@ -48,11 +48,11 @@ def test_headless_output_as_under_torchrun_then_a_summary_with_the_verdict():
     assert done.returncode == 0, done.stderr
     # Each rank's lines, unchanged: no prefix, no events.
     assert sorted(done.stdout.splitlines()) == sorted(f"rank {r} step {s}" for r in range(2) for s in range(30))
-    summary = done.stderr.splitlines()
+    summary = done.stderr.splitlines()  # what `dptui view --headless` of its log would print
     header = next(i for i, line in enumerate(summary) if line.startswith("rank  host"))
-    assert [line.split()[0] for line in summary[header + 1:header + 3]] == ["0", "1"]
-    assert [line.split()[2] for line in summary[header + 1:header + 3]] == ["30", "30"]
-    assert "straggler from step 16: rank 1, backward +48 ms/step over 15 steps" in summary
+    rows = [line.split() for line in summary[header + 1:header + 3]]
+    assert [(row[0], row[4], row[-1]) for row in rows] == [("0", "30", "finished"), ("1", "30", "finished")]
+    assert "  step 16: rank 1 is the straggler: backward +48.0 ms/step over 15 steps" in summary
 
 
 def test_json_events_carry_each_lines_rank_and_every_step(tmp_path):
@@ -206,13 +206,17 @@ async def test_the_app_shows_the_ranks_output_and_space_pauses_them_in_lockstep(
     from pilot import log_text, press, quit_app, status, until
 
     from tui.script.app import ScriptApp
+    from tui.widgets.rank_panel import RankPanel
 
-    run = fake_ranks("forever=1", "step_s=0.02")
+    run = fake_ranks("forever=1", "step_s=0.02", "slow_rank=1")
     joined: list = []
     run.subscribe(lambda e: joined.append(e.pid) if isinstance(e, RankJoined) else None)
     app = ScriptApp(run)
     async with app.run_test(size=(120, 40)):
         await until(lambda: "rank 1 step 3" in log_text(app), what="rank 1's output in the log", timeout=TIMEOUT)
+        await until(lambda: len(app.query(RankPanel)) == 2, what="a panel per rank")
+        await until(lambda: "rank 1 is the straggler: data +48.0 ms/step" in status(app), what="the verdict")
+        assert [p.has_class("-straggler") for p in app.query(RankPanel)] == [False, True]
         await press(app, "space")
         await until(lambda: "● paused" in status(app), what="every rank paused")
         await press(app, "space")
@@ -312,3 +316,63 @@ def test_a_node_with_the_wrong_rendezvous_is_not_taken():
                 assert lines == []
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_the_ui_in_a_real_terminal_stops_every_rank_when_dptui_is_signalled(signum, status):
+    import pty
+
+    master, slave = pty.openpty()
+    env = dict(os.environ, TERM="xterm-256color")
+    proc = subprocess.Popen([*DPTUI, "--nproc-per-node", "2", FAKE, "forever=1", "child=1", "step_s=0.05"],
+                            stdin=slave, stdout=slave, stderr=slave, env=env, start_new_session=True)
+    os.close(slave)
+    screen = bytearray()
+
+    def drain() -> None:  # a terminal that is not read would block the UI
+        while True:
+            try:
+                chunk = os.read(master, 1 << 16)
+            except OSError:
+                return
+            if not chunk:
+                return
+            screen.extend(chunk)
+
+    threading.Thread(target=drain, daemon=True).start()
+    try:
+        # dptui, torchrun, two ranks and their children (and the spawner's fork helpers, if any).
+        wait_for(lambda: len(psutil.Process(proc.pid).children(recursive=True)) >= 5 and b"step" in screen,
+                 "the ranks to get going", timeout=TIMEOUT)
+        family = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signum)
+        assert proc.wait(60) == status
+        for process in family:
+            wait_for(lambda: gone(process.pid), f"process {process.pid} ended", timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(master)
+
+
+def test_when_dptui_is_killed_torchrun_and_its_ranks_end_too():
+    proc = subprocess.Popen([*DPTUI, "--nproc-per-node", "2", "--headless", "--json", FAKE, "forever=1",
+                             "step_s=0.05"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    pids: list[int] = []
+
+    def read() -> None:
+        for raw in proc.stdout:
+            body = json.loads(raw)
+            if body["type"] == "rank_joined":
+                pids.append(body["pid"])
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        wait_for(lambda: len(pids) == 2, "both ranks", timeout=TIMEOUT)
+        family = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        proc.kill()  # SIGKILL: dptui cannot clean up; torchrun's parent-death signal does
+        proc.wait()
+        for pid in family + pids:
+            wait_for(lambda: gone(pid), f"process {pid} ended", timeout=60)
+    finally:
+        proc.kill()

@@ -47,3 +47,26 @@ def test_three_gpus_of_four(snap_compare, size):
 def test_three_virtual_cpus_at_80x24(snap_compare):
     app, trainer = scripted(CPUS, CPUS)
     assert snap_compare(app, terminal_size=(80, 24), run_before=played(trainer))
+
+
+# -- a DDP run's rank panels and straggler line (issue 21) ----------------------------------------
+
+
+def ddp_scripted(until_step: int) -> tuple[DptuiApp, ScriptedTrainer]:
+    """The recorded DDP run (tests/fixtures/ddp_run.jsonl) live up to `until_step`: at 30, rank 1
+    is the straggler (its input slowed by 48 ms)."""
+    from test_ddp_ui import fixture_events
+
+    from dpengine.eventlog.events import RankStepFinished
+
+    events = list(itertools.takewhile(lambda e: not (isinstance(e, RankStepFinished) and e.step > until_step),
+                                      fixture_events()))
+    trainer = ScriptedTrainer(events)
+    clock = itertools.count(0.0, 0.05).__next__
+    return DptuiApp(factory_of(trainer), clock=clock, refresh_interval=3600), trainer
+
+
+@pytest.mark.parametrize("size", [(80, 24), (160, 48)], ids=["80x24", "160x48"])
+def test_ddp_ranks_with_a_straggler(snap_compare, size):
+    app, trainer = ddp_scripted(30)
+    assert snap_compare(app, terminal_size=size, run_before=played(trainer))

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 
 REFRESH_S = 0.1
 LOG_REFRESH_S = 1.0  # new lines scroll the log, which repaints all of it
+PAUSE_LEFT_REFRESH_S = 1.0  # the countdown of a paused DDP run to its collective timeout
 LOG_STYLES = {"model": "", "event": "cyan", "error": "bold red"}
 
 # Actions of plain keys: off while a dialog is open, so typing there cannot steer (or quit:
@@ -121,6 +122,7 @@ class DptuiApp(App[None]):
         self.log_view.border_title = "log"
         self.set_interval(self._refresh_interval, self._refresh_widgets)
         self.set_interval(max(self._refresh_interval, LOG_REFRESH_S), self._flush_log)
+        self.set_interval(PAUSE_LEFT_REFRESH_S, self._refresh_pause_left)
         self.call_after_refresh(self._start_run)  # once laid out, so the log knows its width
 
     def on_unmount(self) -> None:
@@ -195,12 +197,18 @@ class DptuiApp(App[None]):
             self._shown_state = snap.state
             self.refresh_bindings()  # Pause or Resume
         with self.batch_update():
+            self.devices.show_ranks(snap.ranks)  # a DDP run's: in the device panels' place
             self.status.show(snap)
             self.devices.show(snap.panels)
             self.loss_chart.show(fmt.loss(snap.loss), snap.loss_history)
             self.throughput_chart.show(fmt.rate(snap.samples_per_s), snap.throughput_history)
         for notice in snap.notices:
             self.notify(notice.message, title=notice.title, severity=notice.severity, timeout=8)
+
+    def _refresh_pause_left(self) -> None:
+        """While a run whose pause has a limit is paused (DDP: the collective timeout), the time left."""
+        deadline = self.session.pause_deadline()
+        self.status.show_pause_left(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def _flush_log(self) -> None:
         lines = self.session.view.take_log()

@@ -64,6 +64,14 @@ class Session:
             return str(err)
         return None
 
+    def pause_deadline(self) -> float | None:
+        """While the run is paused: when (time.monotonic()) staying paused would fail it, if the run
+        says (a DDP run's collective timeout); None otherwise."""
+        with self._lock:
+            trainer = self._trainer
+        deadline = getattr(trainer, "pause_deadline", None)  # optional: only runs with such a limit have it
+        return deadline() if callable(deadline) else None
+
     def set_batch_size(self, n: int) -> str | None:
         trainer = self._steerable()
         if isinstance(trainer, str):

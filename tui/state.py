@@ -18,6 +18,9 @@ from dpengine.eventlog.events import (
     ConfigChanged,
     EpochFinished,
     Event,
+    RankEnded,
+    RankJoined,
+    RankStepFinished,
     RunConfig,
     RunFailed,
     RunFinished,
@@ -25,12 +28,15 @@ from dpengine.eventlog.events import (
     SplitChanged,
     StateChanged,
     StepFinished,
+    StragglerCleared,
+    StragglerFound,
     TelemetrySampled,
 )
 from dpengine.records import ReplicaRecord
 from dpengine.telemetry.sample import DeviceSample
 
 from . import event_text as text
+from .ranks import RankBoard, RankView, cleared_line, ended_line, joined_line, straggler_line
 
 EMA_ALPHA = 0.2
 HISTORY_POINTS = 240  # loss and throughput; a Sparkline folds them to its width
@@ -99,6 +105,12 @@ class Snapshot:
     loss_history: tuple[float, ...] = ()
     throughput_history: tuple[float, ...] = ()
     panels: tuple[DeviceView, ...] = ()
+    # A DDP run's (`dptui run --nproc-per-node`): one view per rank, the straggler verdict in force
+    # (or the end of the last one), the step the rank panels show (from 0; -1: none yet).
+    ranks: tuple[RankView, ...] = ()
+    straggler: StragglerFound | None = None
+    straggler_cleared: StragglerCleared | None = None
+    rank_step: int = -1
     notices: tuple[Notice, ...] = ()  # new since the last snapshot
     balance: str = "even"  # even, auto or weights: how batches are cut now
     replica_ms: float | None = None  # the last step's slowest replica, forward + backward
@@ -148,6 +160,7 @@ class RunView:
         self._throughput_history: deque[float] = deque(maxlen=HISTORY_POINTS)
         self._per_device: dict[str, _Device] = {}
         self._telemetry: dict[str, DeviceSample] = {}
+        self._ranks = RankBoard()  # a DDP run's
         self._log: deque[LogLine] = deque(maxlen=MAX_PENDING_LOG)
         self._notices: list[Notice] = []
         self._last_logged: float | None = None
@@ -256,6 +269,31 @@ class RunView:
         self._log.append(LogLine(line, "error"))
         self._notices.append(Notice(line + " (r restarts)", title="Run failed", severity="error"))
 
+    def _on_rank_joined(self, event: RankJoined) -> None:
+        self._ranks.joined(event)
+        if self._state == "starting":
+            self._state = "running"
+        self._event(joined_line(event))
+
+    def _on_rank_step(self, event: RankStepFinished) -> None:
+        self._ranks.step(event)
+
+    def _on_straggler(self, event: StragglerFound) -> None:
+        self._ranks.found(event)
+        self._event(f"step {event.step}: {straggler_line(event)}", "error")
+
+    def _on_straggler_cleared(self, event: StragglerCleared) -> None:
+        self._ranks.clear(event)
+        self._event(cleared_line(event))
+
+    def _on_rank_ended(self, event: RankEnded) -> None:
+        self._ranks.ended(event)
+        line = ended_line(event)
+        failed = event.exit_code != 0 and not event.script_finished
+        self._event(line, "error" if failed else "event")
+        if failed:
+            self._notices.append(Notice(line, title=f"Rank {event.rank} failed", severity="error"))
+
     def _end(self, state: str) -> None:
         self._state = state
         self._pending_batch = self._pending_devices = self._pending_state = self._pending_balance = None
@@ -275,7 +313,7 @@ class RunView:
     @property
     def started(self) -> bool:
         with self._lock:
-            return self._config is not None
+            return self._config is not None or bool(self._ranks)
 
     @property
     def ended(self) -> bool:
@@ -371,14 +409,18 @@ class RunView:
                 batch_size=self._batch_size,
                 epoch=step.epoch if step else 0,
                 epochs=config.epochs if config else None,
-                step=step.step if step else 0,
+                step=step.step if step else self._ranks.last_step + 1,  # a DDP run's: steps done
                 step_in_epoch=step.step_in_epoch if step else 0,
                 steps_in_epoch=step.steps_in_epoch if step else 0,
-                loss=step.loss if step else None,
-                samples_per_s=self._throughput,
-                loss_history=tuple(self._loss_history),
-                throughput_history=tuple(self._throughput_history),
+                loss=step.loss if step else self._ranks.loss,
+                samples_per_s=self._throughput if step or not self._ranks else self._ranks.samples_per_s(),
+                loss_history=tuple(self._loss_history or self._ranks.loss_history),
+                throughput_history=tuple(self._throughput_history or self._ranks.rate_history),
                 panels=self._panels(config, step),
+                ranks=self._ranks.views(self._telemetry) if self._ranks else (),
+                straggler=self._ranks.verdict,
+                straggler_cleared=self._ranks.cleared,
+                rank_step=self._ranks.last_step,
                 notices=notices,
                 balance=self._balance,
                 replica_ms=_slowest_replica_ms(step),
@@ -462,4 +504,9 @@ _HANDLERS: dict[type, Callable[[RunView, object], None]] = {
     SplitChanged: RunView._on_split,
     RunFinished: RunView._on_finished,
     RunFailed: RunView._on_failed,
+    RankJoined: RunView._on_rank_joined,
+    RankStepFinished: RunView._on_rank_step,
+    StragglerFound: RunView._on_straggler,
+    StragglerCleared: RunView._on_straggler_cleared,
+    RankEnded: RunView._on_rank_ended,
 }

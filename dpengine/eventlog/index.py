@@ -9,6 +9,10 @@ gigabyte of log, whose events as objects took 2 GB.
 One thread (the reader) writes the index; others read it. Lines that cannot be read are
 counted in `skipped`, once each: those whose framing is broken when indexed, the others when
 they fail to decode.
+
+A DDP run's log has no `step` lines but a `rank_step` per rank per step, in the order the ranks'
+records came: a step's line is the one that completes it, the last of its world size of records
+(`RankSteps`; numbers read from the lines' bytes), so showing it shows every rank's record of it.
 """
 
 from __future__ import annotations
@@ -24,12 +28,74 @@ from .reader import Mark, file_replaced, read_line
 
 # A line's kind, one byte each.
 OTHER, STEP, RUN_STARTED, CONFIG, SPLIT, STATE, TELEMETRY, ENDED, BAD = range(9)
+RANK_STEP, RANK_JOINED, VERDICT, RANK_ENDED = range(9, 13)  # a DDP run's
 KINDS = {
     b"step": STEP, b"run_started": RUN_STARTED, b"config": CONFIG, b"split": SPLIT, b"state": STATE,
     b"telemetry": TELEMETRY, b"run_finished": ENDED, b"run_failed": ENDED,
+    b"rank_step": RANK_STEP, b"rank_joined": RANK_JOINED, b"straggler": VERDICT, b"straggler_cleared": VERDICT,
+    b"rank_ended": RANK_ENDED,
 }
-# What was in force before a step: the latest line of each of these kinds.
-CONTEXT_KINDS = (RUN_STARTED, CONFIG, SPLIT, STATE, TELEMETRY)
+# What was in force before a step: the latest line of each of these kinds...
+CONTEXT_KINDS = (RUN_STARTED, CONFIG, SPLIT, STATE, TELEMETRY, VERDICT)
+# ...and every line of these since the run started (each rank's).
+EVERY_KINDS = (RANK_JOINED, RANK_ENDED)
+
+
+def int_field(line: bytes, name: str) -> int | None:
+    """An integer field of a line, read from its bytes where the writer's (`"name":12`), else parsed."""
+    key = f'"{name}":'.encode()
+    at = line.find(key)
+    if at >= 0:
+        at += len(key)
+        end = at
+        while end < len(line) and line[end] in b" -0123456789":
+            end += 1
+        try:
+            return int(line[at:end])
+        except ValueError:
+            pass
+    try:
+        data = json.loads(line)
+    except ValueError:
+        return None
+    value = data.get(name) if isinstance(data, dict) else None
+    return value if type(value) is int else None
+
+
+class RankSteps:
+    """Which `rank_step` lines complete a DDP step: the one that brings its records to the world size.
+
+    A step's records can come in any order and interleaved with the next step's (each rank sends its
+    own), but a rank's own steps come in order. Steps complete in order; one that cannot complete (a
+    rank's record dropped) counts as complete once a record two steps on arrives, and without a
+    world size (a log without the ranks' joining) once a record of the next step arrives.
+    """
+
+    def __init__(self) -> None:
+        self.restart(0)
+
+    def restart(self, world_size: int) -> None:
+        """A new run or generation (a rank joined): steps count from 0 again."""
+        self.world_size = world_size
+        self.counts: dict[int, int] = {}
+        self.next = 0  # the first step not yet complete
+
+    def add(self, step: int | None) -> tuple[int, int]:
+        """One rank's record of `step`: (N, M), N steps completed before this line and M by it."""
+        before = by = 0
+        if step is None or step < self.next:
+            return 0, 0  # a record of a step counted already (late, or a second run's)
+        # Without a world size, a record of the next step completes this one.
+        while self.next < step - (1 if self.world_size else 0):
+            self.counts.pop(self.next, None)
+            self.next += 1
+            before += 1
+        self.counts[step] = self.counts.get(step, 0) + 1
+        while self.world_size and self.counts.get(self.next, 0) >= self.world_size:
+            del self.counts[self.next]
+            self.next += 1
+            by += 1
+        return before, by
 
 CHUNK_BYTES = 1 << 22  # per read while indexing: stop() and the UI are seen between chunks
 TAIL_BYTES = 1 << 20  # the first read of the tail; doubled until it holds enough steps
@@ -57,15 +123,19 @@ def line_kind(line: bytes) -> int:
 
 
 def _context_before(kinds: list[int], first: int) -> list[int]:
-    """Positions of the latest line of each context kind before `first`, back to a run_started."""
+    """Positions of the latest line of each context kind before `first`, back to a run_started
+    (and of every rank's joining and end)."""
     found: dict[int, int] = {}
+    every = []
     for i in range(first - 1, -1, -1):
         kind = kinds[i]
-        if kind in CONTEXT_KINDS and kind not in found:
+        if kind in EVERY_KINDS:
+            every.append(i)
+        elif kind in CONTEXT_KINDS and kind not in found:
             found[kind] = i
             if kind == RUN_STARTED:
                 break  # what came before belongs to no step of this run
-    return sorted(found.values())
+    return sorted([*found.values(), *every])
 
 
 class LogIndex:
@@ -83,13 +153,15 @@ class LogIndex:
         self._kinds = array("B")
         self._end = 0  # just past the last whole line indexed
         self._steps = array("q")  # line numbers of the steps
-        self._context = {kind: array("q") for kind in (*CONTEXT_KINDS, ENDED)}
+        self._context = {kind: array("q") for kind in (*CONTEXT_KINDS, *EVERY_KINDS, ENDED)}
+        self._rank_steps = RankSteps()
         self._bad = 0  # lines indexed as BAD
         self._undecodable: set[int] = set()  # well-framed lines that failed to decode
         self._mark = Mark()
         self.size_at_open = os.fstat(self._fd).st_size
         self.tail: list[bytes] = []  # the first screen's lines, read before the index reaches them
-        self.head: bytes | None = None  # the first run_started line, for a tail that has none
+        # The first run_started line (and the ranks' joining after it), for a tail that has none.
+        self.head: list[bytes] = []
         self.done = False  # indexed up to size_at_open: positions are exact from now on
         self.shown = threading.Event()  # the tail is on the screen: indexing may take the CPU
         self.changes = 0  # bumps whenever the index grew
@@ -108,31 +180,36 @@ class LogIndex:
             if start > 0:
                 lines = lines[1:]  # the first may be cut
             kinds = [line_kind(line) for line in lines]
-            at = [i for i, k in enumerate(kinds) if k == STEP]
+            at = [i for i, k in enumerate(kinds) if k == STEP or k == RANK_STEP]  # a DDP step counts per rank
             if start == 0 or len(at) > steps:
                 break
             want *= 2
         first = at[-steps] if steps and len(at) >= steps else (at[0] if at else len(lines))
         keep = [*_context_before(kinds, first), *range(first, len(lines))]
         found = any(kinds[i] == RUN_STARTED for i in keep)
-        head = None if found or start == 0 else self._first_run_started()
+        head = [] if found or start == 0 else self._head_lines()
         with self._lock:
             self.tail = [lines[i] for i in keep if kinds[i] != BAD]
             self.head = head
             self.changes += 1
 
-    def _first_run_started(self) -> bytes | None:
+    def _head_lines(self) -> list[bytes]:
+        """The first run_started line, and the rank_joined lines that follow it before a step."""
         offset = 0
+        head: list[bytes] = []
         while offset < self.size_at_open:
             data = self._read(TAIL_BYTES, offset)
             lines = data[: data.rfind(b"\n") + 1].split(b"\n")[:-1]
             if not lines:
-                return None  # one line longer than a read: no run_started there
+                return head  # one line longer than a read: no run_started there
             for line in lines:
-                if line_kind(line) == RUN_STARTED:
-                    return line
+                kind = line_kind(line)
+                if not head and kind == RUN_STARTED or head and kind == RANK_JOINED:
+                    head.append(line)
+                elif head and kind in (STEP, RANK_STEP, RUN_STARTED):
+                    return head
                 offset += len(line) + 1
-        return None
+        return head
 
     def build(self, stop: threading.Event | None = None, until: int | None = None) -> None:
         """Index from where the index ends to `until` (default: the size seen at open), in chunks."""
@@ -176,12 +253,19 @@ class LogIndex:
                 kind = line_kind(data[i:j])
             starts.append(base + i)
             kinds.append(kind)
-            if kind == STEP:
+            if kind == RANK_STEP:
+                before, by = self._rank_steps.add(int_field(data[i:j], "step"))
+                steps.extend([line - 1] * before + [line] * by)
+            elif kind == STEP:
                 steps.append(line)
             elif kind == BAD:
                 bad += 1
             elif kind in context:
                 context[kind].append(line)
+                if kind == RUN_STARTED:
+                    self._rank_steps.restart(0)
+                elif kind == RANK_JOINED:  # a rank of a new run or generation: steps count from 0 again
+                    self._rank_steps.restart(int_field(data[i:j], "world_size") or 0)
             line += 1
             i = j + 1
         with self._lock:
@@ -205,6 +289,9 @@ class LogIndex:
                 self._kinds.append(kind)
                 if kind == STEP:
                     self._steps.append(len(self._starts) - 1)
+                elif kind == RANK_STEP:
+                    before, by = self._rank_steps.add(int_field(rest, "step"))
+                    self._steps.extend([len(self._starts) - 2] * before + [len(self._starts) - 1] * by)
                 elif kind in self._context:
                     self._context[kind].append(len(self._starts) - 1)
                 self._end += len(rest)
@@ -262,8 +349,8 @@ class LogIndex:
 
     def latest_before(self, line: int) -> list[int]:
         """What was in force before `line`: the line numbers of the latest line of each context
-        kind, back to the latest run_started (what came before it belongs to no step of this
-        run), in line order."""
+        kind, and of every rank's joining and end, back to the latest run_started (what came
+        before it belongs to no step of this run), in line order."""
         with self._lock:
             found = {}
             for kind in CONTEXT_KINDS:
@@ -271,8 +358,10 @@ class LogIndex:
                 at = bisect_left(lines, line)
                 if at:
                     found[kind] = lines[at - 1]
-        started = found.get(RUN_STARTED, -1)
-        return sorted(n for n in found.values() if n >= started)
+            started = found.get(RUN_STARTED, -1)
+            every = [n for kind in EVERY_KINDS for n in self._context[kind][:bisect_left(self._context[kind], line)]
+                     if n >= started]
+        return sorted([*(n for n in found.values() if n >= started), *every])
 
     def events(self, first: int, last: int) -> list[tuple[int, Any]]:
         """The events of lines first..last (line numbers, inclusive), decoded, with their numbers;
@@ -300,7 +389,7 @@ class LogIndex:
     def tail_events(self) -> list[Any]:
         """The first screen's events: the first run_started if the tail has none, then the tail's."""
         with self._lock:
-            lines = ([self.head] if self.head else []) + self.tail
+            lines = self.head + self.tail
         out: list[Any] = []
         for raw in lines:
             out += read_line(raw) or []

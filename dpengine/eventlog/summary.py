@@ -1,7 +1,9 @@
 """Per-device figures of a whole recorded run: what `dptui view --headless` prints.
 
 Summed as the events stream past (`RunSummary.feed`), so a log of any length takes the same
-memory: a few numbers per device.
+memory: a few numbers per device. A DDP run's are per rank (`RunSummary.ranks`, `rank_lines`: steps,
+mean ms per phase, own time, last loss, peak memory, how it ended) with the straggler verdicts seen;
+`dptui run --headless` prints the same lines at the end of a live run. Importable without torch.
 """
 
 from __future__ import annotations
@@ -33,6 +35,26 @@ class DeviceSummary:
     peak_memory_bytes: int | None  # the step peak on CUDA, else the largest saved-tensor memory
 
 
+# A DDP rank step's phases, in the order they happen: each is its `<phase>_ms` field.
+STEP_PHASES = ("data", "forward", "backward", "comm_wait", "optimizer", "other")
+MAX_VERDICTS = 50  # kept for the summary; a run whose verdict flips more often says how many more
+
+
+@dataclass(frozen=True, slots=True)
+class RankFigures:
+    rank: int
+    host: str
+    local_rank: int | None  # None: its joining is not in the log
+    device: str
+    steps: int
+    phase_ms: dict[str, float | None]  # mean per phase, in STEP_PHASES order
+    total_ms: float | None  # mean step
+    own_ms: float | None  # mean step minus comm_wait: what the straggler verdict compares
+    loss: float | None  # its last step's
+    peak_memory_bytes: int | None
+    end: str  # "finished", "failed: exit 1", "" while running or not in the log
+
+
 class _Mean:
     __slots__ = ("total", "count")
 
@@ -59,8 +81,26 @@ class _Device:
         self.peak: int | None = None
 
 
+class _RankSums:
+    __slots__ = ("joined", "steps", "phases", "total", "own", "loss", "peak", "ended")
+
+    def __init__(self) -> None:
+        self.joined: RankJoined | None = None
+        self.steps = 0
+        self.phases = {phase: _Mean() for phase in STEP_PHASES}
+        self.total, self.own = _Mean(), _Mean()
+        self.loss: float | None = None
+        self.peak: int | None = None
+        self.ended: RankEnded | None = None
+
+
+def _number(value: object) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
 class RunSummary:
-    """A subscriber that sums a run's events: its start, its end, its steps and each device's share."""
+    """A subscriber that sums a run's events: its start, its end, its steps and each device's
+    share, or each rank's steps and the straggler verdicts."""
 
     def __init__(self) -> None:
         self.started: RunStarted | None = None  # the first run_started
@@ -68,9 +108,23 @@ class RunSummary:
         self.steps = 0
         self._devices: dict[str, _Device] = {}
         self._following: str | None = None  # `dptui run`: the instance the panels follow
+        self._ranks: dict[int, _RankSums] = {}
+        self.verdicts: list[StragglerFound | StragglerCleared] = []  # the first MAX_VERDICTS, in order
+        self.more_verdicts = 0  # found or cleared after those
 
     def feed(self, event: object) -> None:
-        if isinstance(event, StepFinished):
+        if isinstance(event, RankStepFinished):
+            self._add_rank_step(event)
+        elif isinstance(event, (StragglerFound, StragglerCleared)):
+            if len(self.verdicts) < MAX_VERDICTS:
+                self.verdicts.append(event)
+            else:
+                self.more_verdicts += 1
+        elif isinstance(event, RankJoined):
+            self._rank(event.rank).joined = event
+        elif isinstance(event, RankEnded):
+            self._rank(event.rank).ended = event
+        elif isinstance(event, StepFinished):
             if event.instance is not None and event.instance != self._following:
                 return  # another DataParallel of the script than the one its run_started names
             self.steps += 1
@@ -96,6 +150,53 @@ class RunSummary:
         if peak is not None and (device.peak is None or peak > device.peak):
             device.peak = peak
 
+    def _rank(self, rank: int) -> _RankSums:
+        state = self._ranks.get(rank)
+        if state is None:
+            state = self._ranks[rank] = _RankSums()
+        return state
+
+    def _add_rank_step(self, step: RankStepFinished) -> None:
+        rank = self._rank(step.rank)
+        rank.steps += 1
+        for phase in STEP_PHASES:
+            rank.phases[phase].add(_number(getattr(step, f"{phase}_ms")))
+        total, wait = _number(step.total_ms), _number(step.comm_wait_ms)
+        rank.total.add(total)
+        if total is not None:
+            rank.own.add(total - (wait or 0.0))
+        loss = _number(step.loss)
+        rank.loss = loss if loss is not None else rank.loss
+        peak = step.peak_memory_bytes if step.peak_memory_bytes is not None else step.memory_bytes
+        if isinstance(peak, int) and (rank.peak is None or peak > rank.peak):
+            rank.peak = peak
+
+    def ranks(self) -> tuple[RankFigures, ...]:
+        """One summary per rank of a DDP run, by rank; () for other runs."""
+        out = []
+        for number in sorted(self._ranks):
+            rank = self._ranks[number]
+            joined, ended = rank.joined, rank.ended
+            out.append(RankFigures(
+                rank=number,
+                host=(joined.host if joined else "") or (ended.host if ended else ""),
+                local_rank=joined.local_rank if joined else None,
+                device=joined.device if joined else "",
+                steps=rank.steps,
+                phase_ms={phase: rank.phases[phase].value for phase in STEP_PHASES},
+                total_ms=rank.total.value,
+                own_ms=rank.own.value,
+                loss=rank.loss,
+                peak_memory_bytes=rank.peak,
+                end=rank_end_words(ended) if ended else "",
+            ))
+        return tuple(out)
+
+    @property
+    def rank_steps(self) -> int:
+        """The most steps any rank finished."""
+        return max((rank.steps for rank in self._ranks.values()), default=0)
+
     def devices(self) -> tuple[DeviceSummary, ...]:
         """One summary per device that ran a replica, in the order they first appear."""
         return tuple(
@@ -105,78 +206,77 @@ class RunSummary:
         )
 
 
+# -- a DDP run's summary in words (dptui view --headless, dptui run --headless) -------------------
+
+
+def rank_end_words(event: RankEnded) -> str:
+    if event.exit_code == 0:
+        return "finished"
+    if event.script_finished:
+        return "finished (teardown abort)"  # the script's last line ran: not a failure
+    if event.exit_code < 0:
+        return f"failed: signal {-event.exit_code}"
+    return f"failed: exit {event.exit_code}"
+
+
+def verdict_words(event: StragglerFound | StragglerCleared) -> str:
+    """`step 24: rank 1 is the straggler: data +48.0 ms/step over 20 steps`, or its end."""
+    if isinstance(event, StragglerCleared):
+        return f"step {event.step}: no straggler any more"
+    return (f"step {event.step}: rank {event.rank} is the straggler: {event.phase} +{_ms(event.excess_ms)} ms/step "
+            f"over {event.window} steps")
+
+
+def _ms(value: float | None) -> str:
+    """Three significant figures, as the UI shows times: 0.123, 12.3, 123; "–" for none."""
+    if value is None or not math.isfinite(value):
+        return "–"
+    if value < 10:
+        return f"{value:.3f}" if value < 1 else f"{value:.2f}"
+    return f"{value:.1f}" if value < 100 else f"{value:.0f}"
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "–"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
+            return f"{value:.0f} B" if unit == "B" else f"{value:.1f} {unit}" if value < 100 else f"{value:.0f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB" if value < 100 else f"{value:.0f} TiB"
+
+
+def rank_lines(summary: RunSummary) -> list[str]:
+    """A table with one row per rank (mean ms per phase), then the straggler verdicts seen."""
+    rows = [("rank", "host", "local", "device", "steps", *STEP_PHASES, "step", "own", "loss", "peak memory",
+             "end")]
+    for r in summary.ranks():
+        loss = "–" if r.loss is None else f"{r.loss:.4f}"
+        local = "–" if r.local_rank is None else str(r.local_rank)
+        phases = (_ms(r.phase_ms[p]) for p in STEP_PHASES)
+        rows.append((str(r.rank), r.host or "–", local, r.device or "–", str(r.steps), *phases, _ms(r.total_ms),
+                     _ms(r.own_ms), loss, _size(r.peak_memory_bytes), r.end or "–"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    left = {0, 1, 3, len(widths) - 1}  # rank, host, device, end: words; the rest numbers
+    lines = [
+        "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+        for row in rows
+    ]
+    lines.append("ms per step, means over each rank's steps; own = step - comm_wait (what the verdict compares)")
+    if not summary.verdicts:
+        lines.append("straggler verdicts: none")
+    else:
+        lines.append("straggler verdicts:")
+        lines += [f"  {verdict_words(v)}" for v in summary.verdicts]
+        if summary.more_verdicts:
+            lines.append(f"  and {summary.more_verdicts} more")
+    return lines
+
+
 def summarize(events: Iterable[object]) -> tuple[DeviceSummary, ...]:
     """One summary per device that ran a replica, in the order they first appear."""
     summary = RunSummary()
     for event in events:
         summary.feed(event)
     return summary.devices()
-
-
-# -- DDP ranks (`dptui run --nproc-per-node N`) ----------------------------------------------------
-
-RANK_PHASES = ("data", "forward", "backward", "comm_wait", "optimizer", "other", "total")
-
-
-@dataclass(frozen=True, slots=True)
-class RankStepsSummary:
-    rank: int
-    host: str
-    steps: int
-    mean_ms: dict[str, float | None]  # per RANK_PHASES, over the rank's steps
-    last_loss: float | None
-    exit_code: int | None  # None: its end was not recorded
-
-
-class _Rank:
-    __slots__ = ("host", "steps", "phases", "loss", "exit_code")
-
-    def __init__(self) -> None:
-        self.host = ""
-        self.steps = 0
-        self.phases = {phase: _Mean() for phase in RANK_PHASES}
-        self.loss: float | None = None
-        self.exit_code: int | None = None
-
-
-class RankSummary:
-    """A subscriber that sums a DDP run's rank events: per rank its steps and mean phases, and the
-    straggler verdicts seen, in order."""
-
-    def __init__(self) -> None:
-        self._ranks: dict[int, _Rank] = {}
-        self.verdicts: list[StragglerFound] = []
-        self.cleared = 0
-
-    def feed(self, event: object) -> None:
-        if isinstance(event, RankStepFinished):
-            rank = self._rank(event.rank)
-            rank.steps += 1
-            for phase in RANK_PHASES:
-                rank.phases[phase].add(getattr(event, f"{phase}_ms"))
-            if event.loss is not None:
-                rank.loss = event.loss
-        elif isinstance(event, RankJoined):
-            self._rank(event.rank).host = event.host
-        elif isinstance(event, RankEnded):
-            self._rank(event.rank).exit_code = event.exit_code
-        elif isinstance(event, StragglerFound):
-            self.verdicts.append(event)
-        elif isinstance(event, StragglerCleared):
-            self.cleared += 1
-
-    __call__ = feed
-
-    def _rank(self, number: int) -> _Rank:
-        rank = self._ranks.get(number)
-        if rank is None:
-            rank = self._ranks[number] = _Rank()
-        return rank
-
-    def ranks(self) -> tuple[RankStepsSummary, ...]:
-        return tuple(
-            RankStepsSummary(rank=n, host=r.host, steps=r.steps,
-                             mean_ms={phase: mean.value for phase, mean in r.phases.items()},
-                             last_loss=r.loss, exit_code=r.exit_code)
-            for n, r in sorted(self._ranks.items())
-        )

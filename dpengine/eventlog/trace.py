@@ -7,7 +7,7 @@
   step's start.
 - Times are microseconds from the run's start: a DataParallel step ends at its event's
   `seconds`. DDP ranks are aligned on the step: a step starts when the previous one's slowest
-  rank ended.
+  rank ended, and a rank's record that comes after the next step's first still goes in its step.
 
 A phase starts at its `<phase>_start_ms` (relative to the step's start) where the record has
 one. Where it has none, the phases are laid end to end (scatter, replicate, apply, gather on
@@ -36,6 +36,7 @@ from .events import to_json_dict
 ENGINE_PHASES = ("scatter", "replicate", "apply", "gather")
 RANK_PHASES = ("data", "forward", "backward", "comm_wait", "optimizer", "other")
 ENGINE_TRACK = "engine"
+RECENT_RANK_STEPS = 16  # DDP steps whose start is kept: a late rank's record of one still lines up
 APPROXIMATE = "approximate: phases laid end to end"
 
 
@@ -63,9 +64,9 @@ class _Run:
         self.named = False  # its process_name is written at its first step, exact or approximate
         self.tracks: dict[str, int] = {}
         self.end_us = 0.0  # where its last step ended
-        self.rank_step: Any = None  # the DDP step being laid out
-        self.rank_start_us = 0.0
-        self.rank_span_us = 0.0
+        # DDP: where each recent step starts (µs) and its slowest rank's time (ms), by step number; each
+        # rank sends its own records, so one may be a step ahead of another.
+        self.rank_steps: dict[Any, list[float]] = {}
         self.steps = 0
 
 
@@ -154,10 +155,14 @@ class TraceWriter:
     def _rank_step(self, data: dict[str, Any]) -> None:
         run = self._current()
         step = data.get("step")
-        if step != run.rank_step:  # the first rank of the next step: it starts where the last ended
-            run.rank_start_us = max(run.end_us, run.rank_start_us + run.rank_span_us * 1000)
-            run.rank_step, run.rank_span_us = step, 0.0
-            self._instant(run, step, run.rank_start_us)
+        where = run.rank_steps.get(step)
+        new_step = where is None
+        if new_step:  # the first rank's record of a step: it starts where the slowest rank's last one ended
+            where = run.rank_steps[step] = [run.end_us, 0.0]
+            if len(run.rank_steps) > RECENT_RANK_STEPS:
+                del run.rank_steps[next(iter(run.rank_steps))]
+            self._instant(run, step, where[0])
+        start_us = where[0]
         exact, at = True, 0.0
         phases = []
         track = f"rank {data.get('rank', '?')}"
@@ -172,9 +177,9 @@ class TraceWriter:
                 phases.append((track, phase, start, duration, None))
                 at = max(at, start + duration)
         total = _ms(data.get("total_ms"))
-        run.rank_span_us = max(run.rank_span_us, total if total is not None else at)
-        self._lay_out(run, step, run.rank_start_us, phases, exact, instant=False)
-        run.end_us = max(run.end_us, run.rank_start_us + run.rank_span_us * 1000)
+        where[1] = max(where[1], total if total is not None else at)
+        self._lay_out(run, step, start_us, phases, exact, instant=False, count=new_step)
+        run.end_us = max(run.end_us, start_us + where[1] * 1000)
 
     # -- writing ----------------------------------------------------------------------
 
@@ -184,7 +189,9 @@ class TraceWriter:
             self._run = _Run(self.runs, f"run {self.runs}")
         return self._run
 
-    def _lay_out(self, run: _Run, step: Any, start_us: float, phases, exact: bool, instant: bool = True) -> None:
+    def _lay_out(self, run: _Run, step: Any, start_us: float, phases, exact: bool, instant: bool = True,
+                 count: bool = True) -> None:
+        """Write one step's phases (`count`: as a step of its own; a DDP step counts once, not per rank)."""
         if not run.named:
             run.named = True
             name = run.name if exact else f"{run.name} ({APPROXIMATE})"
@@ -192,8 +199,9 @@ class TraceWriter:
             self._emit({"name": "process_labels", "ph": "M", "pid": run.pid,
                         "args": {"labels": "exact phase start times" if exact else APPROXIMATE}})
         self.approximate = self.approximate or not exact
-        run.steps += 1
-        self.steps += 1
+        if count:
+            run.steps += 1
+            self.steps += 1
         if instant:
             self._instant(run, step, start_us)
         # The bulk of a trace: formatted directly (json.dumps per event costs more than the rest).

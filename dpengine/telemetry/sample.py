@@ -20,3 +20,9 @@ class DeviceSample:
     # Why a field is None, by field name ("temperature_c": "not supported"), or "device" if all is gone.
     missing: dict[str, str] = field(default_factory=dict)
     lost: bool = False  # the GPU fell off the bus / NVML says it is lost
+
+
+def rank_device(rank: int) -> str:
+    """The device name of a sample taken for one DDP rank (its process, or its GPU): `rank N`.
+    The UI gives such a sample to rank N whatever its host or device (two nodes both have a cuda:0)."""
+    return f"rank {rank}"

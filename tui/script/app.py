@@ -18,7 +18,8 @@ from .. import format as fmt
 from ..app import LOG_STYLES, DptuiApp
 from ..session import Session
 from ..state import LogLine, Notice, RunView, Snapshot
-from ..widgets.status_bar import STATE_STYLES, StatusBar
+from ..widgets.status_bar import StatusBar, pack_lines, state_text, verdict_text
+from .ddp_run import DdpRun
 from .events import DataParallelSeen, ScriptEvent, ScriptExited, ScriptNotice, ScriptOutput
 from .safe_text import safe_text
 from .script_run import BATCH_OWNED, ScriptRun
@@ -96,7 +97,9 @@ class ScriptRunView(RunView):
         # A script's loss is its own: dptui sees only what passes through DataParallel.
         # Panels: the devices in the run and those asked to join (1-9 and d add the others).
         panels = tuple(p for p in snap.panels if p.active or p.pending)
-        snap = dataclasses.replace(snap, loss=None, loss_history=(), panels=panels)
+        if not snap.ranks:  # a DDP script's ranks say the loss backward was called on
+            snap = dataclasses.replace(snap, loss=None, loss_history=())
+        snap = dataclasses.replace(snap, panels=panels)
         if self._exit is not None:
             ended = f"last step {snap.step}, not live"  # what stays on the panels once the script is gone
             return dataclasses.replace(snap, state=f"script exited {self._exit.code} — q to quit",
@@ -131,14 +134,22 @@ class ScriptStatusBar(StatusBar):
         snap = self._snap
         sep = Text(" │ ", style="dim")
         parts = [Text(self._label, style="bold")]
-        if snap.step:
+        if snap.ranks:  # a DDP script: its ranks, their newest step, and the straggler verdict
+            ranks = len(snap.ranks)
+            parts += [Text(f"{ranks} rank{'' if ranks == 1 else 's'}"),
+                      Text(f"step {snap.rank_step}" if snap.rank_step >= 0 else "no step yet"),
+                      Text(f"{fmt.rate(snap.samples_per_s)} samples/s"), Text(f"loss {fmt.loss(snap.loss)}")]
+        elif snap.step:
             parts += [Text(snap.workload), Text(f"batch {snap.batch_size}"), Text(f"step {snap.step}"),
                       Text(f"{fmt.rate(snap.samples_per_s)} samples/s")]
-        state = Text(f"● {snap.state}", style=STATE_STYLES.get(snap.state, "bold"))
-        if snap.pending:
-            state.append(f": {snap.pending}", style="magenta")
+        state = state_text(snap, self.pause_left_s, "bold")
         if self._note:
             state.append(f"  {self._note}", style="yellow")
+        verdict = verdict_text(snap)
+        if verdict is not None:
+            text = pack_lines([sep.join(parts), state, verdict], self.size.width)
+            self.update(text, layout=text.plain.count("\n") + 1 != self.size.height)
+            return
         text = sep.join([*parts, state])
         self.update(text, layout=False)
 
@@ -207,6 +218,11 @@ class ScriptApp(DptuiApp):
     def action_restart(self) -> None:
         self._say("A script cannot be restarted from dptui.")
 
+    def _terminate(self) -> None:
+        if isinstance(self.run_, DdpRun):
+            self.run_.hurry(signal.SIGTERM)  # torchrun and the ranks get the SIGTERM dptui got: 143
+        super()._terminate()
+
     def action_next_instance(self) -> None:
         try:
             name = self.run_.show_next_instance()
@@ -216,12 +232,15 @@ class ScriptApp(DptuiApp):
         self.notify(f"The panels follow {name} from its next step.")
 
 
-def run_script_app(run: ScriptRun) -> int:
+def run_script_app(run: ScriptRun | DdpRun) -> int:
     """The UI until q; then the script is stopped (if still running) and its status returned."""
     app = ScriptApp(run)
 
     def on_signal(signum, frame) -> None:  # dptui itself told to stop: the script goes too
-        run.hurry()  # as q; again while it stops (Ctrl-C after q): SIGTERM now, SIGKILL soon after
+        if isinstance(run, DdpRun):
+            run.hurry(signum)  # torchrun gets the signal dptui got: 130 after Ctrl-C, 143 after SIGTERM
+        else:
+            run.hurry()  # as q; again while it stops (Ctrl-C after q): SIGTERM now, SIGKILL soon after
         app.exit()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}

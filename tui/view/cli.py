@@ -1,4 +1,5 @@
-"""`dptui view [--follow] [--headless] LOG`: open a recorded run, or print its per-device summary.
+"""`dptui view [--follow] [--headless] LOG`: open a recorded run, or print its per-device (or, for a
+DDP run, per-rank) summary.
 
 Bad input (no such file, not a dptui log) gets one line on stderr and exit status 2.
 """
@@ -32,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--follow", "-f", action="store_true",
                         help="keep reading while the file grows (a run still writing it)")
     parser.add_argument("--headless", action="store_true",
-                        help="print a per-device summary: chunks, mean forward and backward ms, peak memory")
+                        help="print a per-device summary: chunks, mean forward and backward ms, peak memory "
+                        "(a DDP run's: per rank, mean ms per phase, loss, and the straggler verdicts seen)")
     parser.add_argument("--trace", metavar="OUT.json",
                         help="write the run as a trace Perfetto (ui.perfetto.dev) and chrome://tracing open: "
                         "a track per replica or rank, an event per phase per step")
@@ -64,7 +66,10 @@ def summary_lines(summary: RunSummary, skipped: int = 0) -> list[str]:
 
     from .. import format as fmt
 
-    started, end, steps = summary.started, summary.end, summary.steps
+    from dpengine.eventlog.summary import rank_lines
+
+    ranks = summary.ranks()
+    started, end, steps = summary.started, summary.end, summary.rank_steps if ranks else summary.steps
     head = f"{started.config.workload} · {started.config.backend}" if started else "a run without its start"
     if isinstance(end, RunFinished):
         outcome = f"{'stopped' if end.stopped else 'finished'}, final loss {fmt.loss(end.final_loss)}"
@@ -74,6 +79,8 @@ def summary_lines(summary: RunSummary, skipped: int = 0) -> list[str]:
         outcome = "not finished"
     if skipped:
         outcome += f", {skipped} line{'' if skipped == 1 else 's'} skipped"
+    if ranks:  # a DDP run: a row per rank, and the verdicts
+        return [f"{head}: {steps} step{'' if steps == 1 else 's'}, {outcome}", *rank_lines(summary)]
     rows = [("device", "chunks", "rows", "forward ms", "backward ms", "peak memory")]
     for s in summary.devices():
         rows.append((s.device, str(s.chunks), str(s.rows), fmt.ms(s.forward_ms), fmt.ms(s.backward_ms),

@@ -200,6 +200,8 @@ class ReplayView:
                 count = index.step_count
                 shown = count if self._cursor is None else self._cursor + 1
                 where = f"step {shown} of {count}"
+                if snap.ranks:  # a DDP run numbers its steps from 0, as its panels and verdicts say them
+                    where = f"step {snap.rank_step} ({shown} of {count})"
             else:
                 where = f"last step, reading the log {100 * index.progress:.0f}%"
             if snap.state in ENDED and self._cursor is None:

@@ -1,4 +1,8 @@
-"""The summary line (two on a narrow terminal): workload, backend, batch, progress, speed, loss, state."""
+"""The summary line (two on a narrow terminal): workload, backend, batch, progress, speed, loss, state.
+
+A DDP run's bar counts ranks and steps instead of epochs, and names the straggler (its own line
+when the width is short): `rank 1 is the straggler: data +48 ms/step over 20 steps`.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ from rich.text import Text
 from textual.widgets import Static
 
 from .. import format as fmt
+from ..ranks import straggler_line
 from ..state import Snapshot
 
 STATE_STYLES = {
@@ -20,18 +25,63 @@ STATE_STYLES = {
 }
 
 
-def status_text(snap: Snapshot, width: int) -> Text:
+def verdict_text(snap: Snapshot) -> Text | None:
+    """A DDP run's straggler verdict in force, or that there is none; None for other runs."""
+    if not snap.ranks:
+        return None
+    if snap.straggler is not None:
+        return Text(f"⚠ {straggler_line(snap.straggler)}", style="bold yellow")
+    if snap.straggler_cleared is not None:
+        return Text(f"no straggler (cleared at step {snap.straggler_cleared.step})", style="dim")
+    return Text("no straggler", style="dim")
+
+
+def _ranks_run(snap: Snapshot) -> list[Text]:
+    ranks = len(snap.ranks)
+    step = f"step {snap.rank_step}" if snap.rank_step >= 0 else "no step yet"
+    return [Text(f"{snap.workload or '…'} · {snap.backend or 'ddp'}", style="bold"),
+            Text(f"{ranks} rank{'' if ranks == 1 else 's'}"), Text(step)]
+
+
+def pack_lines(parts: list[Text], width: int) -> Text:
+    """The parts on as few lines as `width` allows, in order, each part whole on one line."""
+    sep = Text(" │ ", style="dim")
+    lines = [parts[0]]
+    for part in parts[1:]:
+        if lines[-1].cell_len + sep.cell_len + part.cell_len <= width:
+            lines[-1] = Text.assemble(lines[-1], sep, part)
+        else:
+            lines.append(part)
+    return Text("\n").join(lines)
+
+
+def pause_left_words(seconds: float) -> str:
+    """`29 min 41 s left before the collective timeout fails the run`."""
+    minutes, secs = divmod(int(seconds), 60)
+    left = f"{minutes} min {secs} s" if minutes else f"{secs} s"
+    return f"{left} left before the collective timeout fails the run"
+
+
+def state_text(snap: Snapshot, pause_left_s: float | None = None, other_style: str = "") -> Text:
+    """`● paused: ...`, with a paused DDP run's time left before its collective timeout."""
+    state = Text(f"● {snap.state}", style=STATE_STYLES.get(snap.state, other_style))
+    if snap.pending:
+        state.append(f": {snap.pending}", style="magenta")
+    if pause_left_s is not None:
+        state.append(f" ({pause_left_words(pause_left_s)})", style="bold yellow" if pause_left_s > 60 else "bold red")
+    return state
+
+
+def status_text(snap: Snapshot, width: int, pause_left_s: float | None = None) -> Text:
     """One line when `width` allows, else the run on the first line and its health on the second."""
     epochs = f"/{snap.epochs}" if snap.epochs else ""
     sep = Text(" │ ", style="dim")
-    run = sep.join([
+    run = sep.join(_ranks_run(snap) if snap.ranks else [
         Text(f"{snap.workload or '…'} · {snap.backend or '…'}", style="bold"),
         Text(f"batch {snap.batch_size if snap.batch_size is not None else '–'}"),
         Text(f"epoch {snap.epoch}{epochs} step {snap.step_in_epoch}/{snap.steps_in_epoch} (#{snap.step})"),
     ])
-    state = Text(f"● {snap.state}", style=STATE_STYLES.get(snap.state, ""))
-    if snap.pending:
-        state.append(f": {snap.pending}", style="magenta")
+    state = state_text(snap, pause_left_s)
     timing = []
     if snap.replica_ms is not None and snap.even_ms is not None:
         # What auto-balance buys: the slowest replica now, and as an even split would predict it
@@ -44,6 +94,9 @@ def status_text(snap: Snapshot, width: int) -> Text:
         Text(f"loss {fmt.loss(snap.loss)}"),
         state,
     ])
+    verdict = verdict_text(snap)
+    if verdict is not None:
+        return pack_lines([run, health, verdict], width)
     if run.cell_len + sep.cell_len + health.cell_len <= width:
         return Text.assemble(run, sep, health)
     return Text.assemble(run, "\n", health)
@@ -53,10 +106,18 @@ class StatusBar(Static):
     """Re-lays itself out on resize, so a wrap chosen at one width does not stick."""
 
     _snap: Snapshot | None = None
+    pause_left_s: float | None = None  # a paused DDP run's time left before its collective timeout
 
     def show(self, snap: Snapshot) -> None:
         self._snap = snap
         self._draw()
+
+    def show_pause_left(self, seconds: float | None) -> None:
+        seconds = None if seconds is None else float(int(seconds))  # redrawn once a second, not more
+        if seconds != self.pause_left_s:
+            self.pause_left_s = seconds
+            if self._snap is not None:
+                self._draw()
 
     def on_resize(self) -> None:
         if self._snap is not None:
@@ -64,6 +125,6 @@ class StatusBar(Static):
 
     def _draw(self) -> None:
         assert self._snap is not None
-        text = status_text(self._snap, self.size.width)
+        text = status_text(self._snap, self.size.width, self.pause_left_s)
         # Lay the screen out again only when the bar grows or shrinks a line.
         self.update(text, layout=text.plain.count("\n") + 1 != self.size.height)
