@@ -8,13 +8,17 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 from rank_receiver import RankReceiver, ended
+from waiting import holds_for, wait_for
 
+from dpengine.eventlog.events import RankStepFinished, StateChanged
 from dpengine.script import rank_wire
 from dpengine.script.spawned_rank import SITE_DIR
+from tui.script.script_run import ScriptRun, ScriptTarget
 
 SCRIPT = Path(__file__).parent / "fixtures" / "scripts" / "spawned_ranks.py"
 
@@ -90,3 +94,32 @@ def test_without_a_dptui_listening_the_children_are_left_alone() -> None:
     done = spawn_script({}, "2")
     assert done.returncode == 0, done.stderr
     assert len(printed_losses(done.stdout)) == 4
+
+
+def test_space_pauses_the_spawned_ranks_in_lockstep_and_resumes_them() -> None:
+    target = ScriptTarget(str(SCRIPT), (free_port(), "60", "-1", "0.05"))  # 60 steps of 50 ms input each
+    run = ScriptRun(target, ("cpu:0", "cpu:1"), telemetry_interval=None)
+    seen: list = []
+    run.subscribe(seen.append)
+    thread = threading.Thread(target=run.run)
+    thread.start()
+
+    def steps() -> list[RankStepFinished]:
+        return [e for e in list(seen) if isinstance(e, RankStepFinished)]
+
+    try:
+        wait_for(lambda: steps(), "a rank's step", timeout=120)
+        request = run.pause()
+        wait_for(lambda: any(isinstance(e, StateChanged) and e.state == "paused" and e.request == request
+                             for e in list(seen)), "both ranks paused", timeout=60)
+        last = {rank: max(s.step for s in steps() if s.rank == rank) for rank in (0, 1)}
+        assert last[0] == last[1]  # the same step on both: lockstep
+        holds_for(lambda: len(steps()) == 2 * (last[0] + 1), 1.0, "a rank stepped while paused")
+        request = run.resume()
+        wait_for(lambda: any(isinstance(e, StateChanged) and e.state == "running" and e.request == request
+                             for e in list(seen)), "both ranks running", timeout=60)
+        assert run.wait(180) and run.exit_code == 0
+        assert len(steps()) == 120
+    finally:
+        run.stop()
+        thread.join(60)
