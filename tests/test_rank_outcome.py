@@ -103,3 +103,18 @@ def test_a_rank_that_raised_is_the_cause_even_when_torchrun_saw_a_peer_abort_fir
     gen.failed[1] = {"host": "node1", "error": "ValueError: boom"}
     status = exit_status(gen, record((0, -signal.SIGABRT), (1, 1)), None, 1)
     assert (status.code, status.failed_rank) == (1, 1)
+
+
+def test_the_first_rank_to_raise_is_the_cause_not_a_peer_that_raised_after_it():
+    gen = generation()
+    gen.failed[1] = {"host": "node1", "error": "RuntimeError: bad batch"}
+    gen.failed[0] = {"host": "node0", "error": "RuntimeError: Connection closed by peer"}  # said after rank 1
+    status = exit_status(gen, record((1, 1), (0, -signal.SIGTERM)), None, 1)
+    assert (status.code, status.failed_rank) == (1, 1)
+
+
+def test_a_finished_rank_that_torchrun_ended_in_its_teardown_gets_no_note():
+    gen = generation()
+    gen.finished.update({0: 0, 1: 0})
+    status = exit_status(gen, record((1, -signal.SIGABRT), (0, -signal.SIGTERM)), None, 1)
+    assert status.code == 0 and len(status.notes) == 1 and status.notes[0].startswith("rank 1 ended with SIGABRT")

@@ -19,6 +19,8 @@ from dpengine.eventlog.events import Event, RankEnded, RankJoined
 
 from .failure_record import FailureRecord
 
+_BY_TORCHRUN = (0, -signal.SIGTERM, -signal.SIGKILL)  # how torchrun ends the ranks left when one fails
+
 
 @dataclass
 class Generation:
@@ -74,17 +76,20 @@ class ExitStatus:
 def exit_status(gen: Generation, record: FailureRecord, stopped_by: int | None, launcher_code: int) -> ExitStatus:
     """dptui's exit status once torchrun (status `launcher_code`) has ended; `stopped_by`: the
     signal dptui stopped the run with, None if it was not stopped."""
+    # A finished rank that torchrun itself ended (SIGTERM, then SIGKILL, to the others once one fails)
+    # was only late in its teardown: no note for it.
     notes = tuple(f"rank {f.rank} ended with {status_text(f.exit_code)} in interpreter teardown after its script "
                   "finished: counted as finished"
-                  for f in record.failures if gen.finished.get(f.rank) == 0 and f.exit_code != 0)
+                  for f in record.failures if gen.finished.get(f.rank) == 0 and f.exit_code not in _BY_TORCHRUN)
     if stopped_by is not None:
         return ExitStatus(128 + int(stopped_by), notes=notes)
     world = gen.world_size or len(gen.joined)
     if world and len(gen.finished) >= world and all(c == 0 for c in gen.finished.values()):
         return ExitStatus(0, notes=notes)
-    # A rank whose script raised is the cause, even when torchrun saw a peer die first: a gloo rank
-    # whose peer is gone may abort (SIGABRT) in its collective before the raiser's exit.
-    for rank in sorted(gen.failed):
+    # The first rank whose script raised is the cause (its peers may raise after it, in a collective
+    # whose peer is gone), even when torchrun saw a peer die first: a gloo rank whose peer is gone may
+    # abort (SIGABRT) in its collective before the raiser's exit. `failed` is in the order they said it.
+    for rank in gen.failed:
         recorded = record.exit_code_of(rank) or gen.remote_codes.get(rank)
         return ExitStatus(shell_status(recorded) if recorded else 1, signal_name(recorded or 0), rank, notes)
     for failure in record.failures:  # the first observed failure first
