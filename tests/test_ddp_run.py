@@ -18,7 +18,7 @@ import psutil
 import pytest
 from waiting import gone, wait_for
 
-from dpengine.eventlog.events import RankJoined, RankStepFinished, StateChanged, StragglerFound
+from dpengine.eventlog.events import RankJoined, RankStepFinished, StateChanged, StragglerFound, TelemetrySampled
 from dpengine.run.protocol import PAUSE, Run
 from tui.script.ddp_launch import parse_launch
 from tui.script.ddp_run import DdpRun
@@ -383,7 +383,7 @@ def test_plain_dptui_run_pauses_the_ranks_a_script_spawns_in_lockstep(monkeypatc
         monkeypatch.delenv(name)
     script = Path(__file__).parent / "fixtures" / "scripts" / "spawned_ranks.py"
     run = ScriptRun(ScriptTarget(str(script), (str(free_port_pair()), "100000")), ("cpu:0", "cpu:1"),
-                    telemetry_interval=None, grace_s=3)
+                    telemetry_interval=0.2, grace_s=3)
     events: list = []
     run.subscribe(events.append)
     thread = threading.Thread(target=run.run, daemon=True)
@@ -399,6 +399,9 @@ def test_plain_dptui_run_pauses_the_ranks_a_script_spawns_in_lockstep(monkeypatc
         assert run.pause_deadline() is not None
         run.resume()
         wait_for(lambda: any(isinstance(e, RankStepFinished) and e.step > last[0] for e in events), "steps again")
+        # Each spawned rank's process, sampled from dptui as torchrun's ranks are.
+        wait_for(lambda: {s.device for e in list(events) if isinstance(e, TelemetrySampled) for s in e.samples
+                          if s.memory_used_bytes} >= {"rank 0", "rank 1"}, "each rank's telemetry")
     finally:
         run.stop()
         thread.join(timeout=60)

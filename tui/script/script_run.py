@@ -130,6 +130,7 @@ class ScriptRun(Publisher):
             proc = self._proc
             readers = self._start_readers()
             poller = self._start_telemetry(proc.pid)
+            rank_poller = self._start_rank_telemetry()
             code = proc.wait()
             self._signal_group(signal.SIGKILL)  # whatever it left behind: no orphans
             for reader in readers:
@@ -141,6 +142,8 @@ class ScriptRun(Publisher):
             if poller is not None:
                 poller.stop()
                 poller.source.close()
+            if rank_poller is not None:
+                rank_poller.stop()
             return self._finish(code)
         finally:
             self._ranks.close()
@@ -257,6 +260,14 @@ class ScriptRun(Publisher):
         for thread in threads:
             thread.start()
         return threads
+
+    def _start_rank_telemetry(self):
+        """The DDP ranks the script spawns, each sampled by its pid as they join (rank_hub.py)."""
+        if self._telemetry_interval is None:
+            return None
+        from dpengine.telemetry import TelemetryPoller
+
+        return TelemetryPoller(self._ranks.telemetry, self._ranks.on_samples, self._telemetry_interval).start()
 
     def _start_telemetry(self, pid: int):
         if self._telemetry_interval is None:
