@@ -123,15 +123,16 @@ class RankHub:
 
     # -- pause and resume, in lockstep ----------------------------------------------------
 
-    def pause(self) -> int:
-        """Every rank pauses before the same step: the newest any reported, plus PAUSE_AHEAD."""
+    def pause(self, request: int | None = None) -> int:
+        """Every rank pauses before the same step: the newest any reported, plus PAUSE_AHEAD.
+        `request`: the number the state events answer with, when the caller numbers its requests."""
         with self.lock:
             step = max(self.gen.last_step.values(), default=-1) + PAUSE_AHEAD
-            return self._send({"op": "pause", "step": step})
+            return self._send({"op": "pause", "step": step}, request)
 
-    def resume(self) -> int:
+    def resume(self, request: int | None = None) -> int:
         with self.lock:
-            return self._send({"op": "resume"})
+            return self._send({"op": "resume"}, request)
 
     def pause_deadline(self) -> float | None:
         """While paused: when (time.monotonic()) the ranks' collectives would time out and fail the run."""
@@ -140,11 +141,24 @@ class RankHub:
                 return None
             return self._paused_at + self._timeout(self.gen).total_seconds()
 
-    def _send(self, message: dict[str, Any]) -> int:
+    def _send(self, message: dict[str, Any], request: int | None = None) -> int:
         if self._server is None or not self._server.send_all(message):
             raise ValueError("No rank is connected.")
-        self._requests += 1
+        self._requests = self._requests + 1 if request is None else request
         return self._requests
+
+    @property
+    def ranks_joined(self) -> bool:
+        return bool(self.gen.joined)
+
+    def wait_closed(self, seconds: float) -> None:
+        """The launching script has ended: its ranks' last lines and ends have this long to arrive."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            with self.lock:
+                if set(self.gen.joined) <= self.gen.ended:
+                    return
+            time.sleep(0.02)
 
     @staticmethod
     def _timeout(gen: Generation) -> timedelta:

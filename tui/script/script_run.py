@@ -39,9 +39,10 @@ from dpengine.script import wire
 
 from . import spawner
 from .events import DataParallelSeen, ScriptExited, ScriptNotice, ScriptOutput, ScriptStarted, StepsDropped
+from .failure_record import FailureRecord
 from .notices import end_notices
 from .output_lines import OutputLines
-from .spawned_ranks import SpawnedRanks
+from .rank_hub import RankHub
 
 GRACE_S = 5.0  # after SIGINT, then after SIGTERM, before the next signal
 HURRY_S = 1.0  # asked to stop again while stopping: SIGTERM now, SIGKILL this much later
@@ -107,7 +108,7 @@ class ScriptRun(Publisher):
         self._last_loss: float | None = None
         self._requests = 0  # numbered as a Trainer numbers them; the child's events carry them back
         self.exit_code: int | None = None
-        self._ranks = SpawnedRanks(target.label, self._publish)  # DDP ranks the script spawns itself
+        self._ranks = RankHub(target.label, self._publish)  # DDP ranks the script spawns itself
 
     # -- what the UI drives -----------------------------------------------------------
 
@@ -133,7 +134,9 @@ class ScriptRun(Publisher):
             self._signal_group(signal.SIGKILL)  # whatever it left behind: no orphans
             for reader in readers:
                 reader.join(timeout=5)
-            self._ranks.wait_closed(timeout=5)
+            if self._ranks.ranks_joined:
+                self._ranks.wait_closed(5.0)
+                self._ranks.finish(FailureRecord(), None, code)  # every rank's end said
             if poller is not None:
                 poller.stop()
                 poller.source.close()
@@ -172,12 +175,14 @@ class ScriptRun(Publisher):
 
     def pause(self) -> int:
         request = self._send({"op": "pause"})
-        self._ranks.pause(request)  # the DDP ranks it spawned, if any
+        if self._ranks.ranks_joined:  # the DDP ranks it spawned
+            self._ranks.pause(request)
         return request
 
     def resume(self) -> int:
         request = self._send({"op": "resume"})
-        self._ranks.resume(request)
+        if self._ranks.ranks_joined:
+            self._ranks.resume(request)
         return request
 
     def show_next_instance(self) -> str:
@@ -217,7 +222,7 @@ class ScriptRun(Publisher):
         env[wire.LIFELINE_FD] = str(lifeline_r)
         env[wire.PARENT_PID] = str(os.getpid())
         env[wire.DEVICES] = ",".join(self._devices_arg)
-        env.update(self._ranks.start())
+        env.update(self._ranks.listen().env())
         if self._capture:
             env["PYTHONUNBUFFERED"] = "1"  # lines as they are printed, not in 8 KiB blocks
         pipe = subprocess.PIPE if self._capture else None
@@ -350,7 +355,7 @@ class ScriptRun(Publisher):
         seconds = time.monotonic() - self._started_at
         gpus = sum(d.startswith("cuda:") for d in self._available)
         completed = code == 0 and not self._stopping
-        if self._seen or not self._ranks.joined:  # ranks it spawned were watched: no "built no DataParallel"
+        if self._seen or not self._ranks.ranks_joined:  # ranks it spawned were watched: no "built no DataParallel"
             for text in end_notices(list(self._seen), self._stepped, self._used, gpus, completed):
                 self._publish(ScriptNotice(text))
         self._publish(ScriptExited(code, signame))
