@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import collections
 import copy
 import dataclasses
 import functools
@@ -21,11 +23,12 @@ from .balance import Balancer, BalancedSplit, describe_split
 from .devices import (
     DeviceLike, default_devices, device_name, parse_device, parse_output_device, resolve_devices,
 )
-from .instrument import BackwardCountdown, ReplicaProbe, SavedBytesCache, shapes_of, tensors_of
+from .cuda_memory import KEEPER as _PEAKS
+from .instrument import BackwardCountdown, HostSpan, ReplicaProbe, SavedBytesCache, Span, point, shapes_of, tensors_of
 from .parallel_apply import ThreadState, WorkerPool, reraise, run_in_state
 from .records import StepRecord
 from .replicate import (
-    ReplicationPlan, WrongDevice, replicate, replicate_shared, structure_generation,
+    ReplicationPlan, WrongDevice, replicate, replicate_from_source, replicate_shared, structure_generation,
 )
 from .scatter_gather import Split, gather, scatter_kwargs
 
@@ -106,7 +109,10 @@ class DataParallel(nn.Module):
         self._step = 0
         self._subscribers: list[StepCallback] = []
         self._record_lock = threading.Lock()
-        self._pending: _PendingStep | None = None
+        self._pending: _PendingStep | None = None  # the newest step, while its backward may still come
+        # Steps that will take no more, oldest first, until their spans are done (CUDA: events).
+        self._completing: collections.deque[_PendingStep] = collections.deque()
+        self._publish_lock = threading.RLock()  # one publisher at a time, in step order
         self._last_step: StepRecord | None = None
         self._saved_bytes = SavedBytesCache()
         self._plan: ReplicationPlan | None = None
@@ -220,26 +226,39 @@ class DataParallel(nn.Module):
     def subscribe(self, callback: StepCallback) -> Callable[[], None]:
         """Call `callback(record)` with each finished step record; returns an unsubscribe function.
 
-        A step is finished when its backward has run, or at once when no backward will
-        run (no grad). It runs on the thread that finished it; keep it cheap.
+        A step is finished when its backward has run, when no backward will run (no grad),
+        or at the next forward; on CUDA then once its events have completed, without waiting
+        for them (at a later step, or on a watcher thread), and at the program's end. It runs
+        on the thread that finished it; keep it cheap.
         """
         self._subscribers.append(callback)
         return lambda: self._subscribers.remove(callback) if callback in self._subscribers else None
 
     @property
     def last_step(self) -> StepRecord | None:
-        """The newest step's record (its backward times once its backward has run)."""
+        """The newest step's record (its backward times once its backward has run; on CUDA once
+        the device has run it: reading this never waits for the device)."""
+        self.finish_completed()
         with self._record_lock:
-            pending = self._pending
-        if pending is not None and pending.backward_done:
-            self._finish(pending)
-        elif pending is not None:
-            return pending.build(backward_done=False)
+            newest = self._pending or (self._completing[-1] if self._completing else None)
+        if newest is not None and newest.ready(with_backward=False):
+            return newest.build(with_backward=False)  # its forward's half, while the rest is to come
         return self._last_step
 
     def worker_thread_ids(self) -> dict[str, int]:
         """device name -> native id of the thread that runs its replica (empty until first used)."""
         return self._pool.thread_ids() if self._pool is not None else {}
+
+    def __del__(self) -> None:
+        # Collected with a step still open (built per call and dropped before its backward, as
+        # torch's functional form does): publish it, as the next forward would. On CUDA the
+        # watcher holds this object until the step's events have completed.
+        state = self.__dict__
+        if state.get("_pending") is not None or state.get("_completing"):
+            try:
+                self._flush_pending()
+            except Exception:  # noqa: BLE001 - at interpreter shutdown there is nothing left to publish to
+                pass
 
     def close(self) -> None:
         """Stop the worker threads (they are daemons; this is for tidy shutdown)."""
@@ -256,6 +275,8 @@ class DataParallel(nn.Module):
             return self.module(*inputs, **kwargs)
         self._flush_pending()
         state = _ForwardState(time.perf_counter())
+        if self.recording:
+            self._start_clock(state)
         self._check_module_device()
         outer = self._forward_state
         if outer is not None:
@@ -274,7 +295,7 @@ class DataParallel(nn.Module):
                 state.mark()  # applied
                 output = outputs[0]
             else:
-                replicas = self.replicate(self.module, [self.device_ids[s] for s in slots])
+                replicas = self._replicate_for(slots)
                 state.mark()  # replicated
                 outputs = self.parallel_apply(replicas, args, kwargs_list)
                 state.mark()  # applied
@@ -415,6 +436,8 @@ class DataParallel(nn.Module):
         self._flush_pending()
         state = _ForwardState(time.perf_counter())
         state.by_pieces = True
+        if self.recording:
+            self._start_clock(state)
         _running.forward = (self, state)
         _set(self, "_forward_state", state)
         try:
@@ -466,9 +489,10 @@ class DataParallel(nn.Module):
         _set(self, "_step", self._step + 1)
         if self.recording:
             probes = state.probes = [
-                ReplicaProbe(i, self.devices[s], device_name(self.devices[s]), self.dim) for i, s in enumerate(slots)
+                ReplicaProbe(i, self.devices[s], device_name(self.devices[s]), self.dim, reset_peak=False)
+                for i, s in enumerate(slots)
             ]
-            pending = state.pending = _PendingStep(self, self._step, probes)
+            pending = state.pending = _PendingStep(self, self._step, probes, state)
             pending.split, pending.slots = self._split, slots
         return slots
 
@@ -478,6 +502,30 @@ class DataParallel(nn.Module):
         if state.probes is None:
             return self.module(*args, **kwargs)
         return state.probes[0].measure(self.module, args, kwargs)
+
+    def _start_clock(self, state: _ForwardState) -> None:
+        """CUDA: the step's reference point on each device, where its peak memory starts too."""
+        if self.src_device_obj.type != "cuda":
+            return  # the host clock: state.times[0]
+        origins = state.origins = {}
+        for device in self.devices:
+            _PEAKS.step_reset(device.index)
+            origins[device] = point(device)
+        if not state.by_pieces:
+            state.src = self.src_device_obj
+            state.phase_points = []
+
+    def _replicate_for(self, slots: list[int]) -> list[nn.Module]:
+        """A replica for each device slot that got rows.
+
+        On CUDA broadcast from device_ids[0] always: torch's Broadcast refuses a device list that
+        does not start where the parameters live, and the split may leave device 0 no rows
+        (chunk sizes, weights, auto-balance on a small batch, a scatter override).
+        """
+        device_ids = [self.device_ids[s] for s in slots]
+        if self.src_device_obj.type != "cuda":
+            return self.replicate(self.module, device_ids)
+        return replicate_from_source(self.replicate, self.module, self.device_ids[0], device_ids)
 
     def _record_forward(self, state: _ForwardState, inputs: Any, args, kwargs_list, outputs, output,
                         batch_size: int | None = None) -> None:
@@ -494,7 +542,7 @@ class DataParallel(nn.Module):
             probe.describe(a, kw, out, replica_done, node)
             if not state.measured:
                 # A parallel_apply override ran the replicas: each ran within its span.
-                probe.untimed(applied - replicated)
+                probe.untimed(applied - replicated, replicated)
         self._saved_bytes.store(probes)
         input_shapes = shapes_of(inputs)
         if batch_size is None:
@@ -554,28 +602,67 @@ class DataParallel(nn.Module):
         expected = sum(1 for p in pending.probes if p.backward is not None)
         with self._record_lock:
             _set(self, "_pending", pending)
+        _at_exit.track(self)
         if expected == 0:
-            self._finish(pending)
+            self._seal(pending)
         else:
             pending.countdown.expect(expected)
 
     def _on_backward_done(self, pending: _PendingStep) -> None:
         pending.backward_done = True
-        if not pending.cuda:
-            self._finish(pending)  # on CUDA reading the events would sync: finish lazily
+        self._seal(pending)
 
     def _flush_pending(self) -> None:
+        """At a forward's start: the step before takes no more (its backward has run, or never will)."""
         with self._record_lock:
             pending = self._pending
         if pending is not None:
-            self._finish(pending)
+            self._seal(pending)
+        elif self._completing:
+            self.finish_completed()
 
-    def _finish(self, pending: _PendingStep) -> None:
+    def _seal(self, pending: _PendingStep) -> None:
+        """The step takes no more: it is finished once its spans are done (now on the host)."""
         with self._record_lock:
             if self._pending is not pending:
                 return
             _set(self, "_pending", None)
-        record = pending.build(backward_done=pending.backward_done)
+            pending.with_backward = pending.backward_done
+            self._completing.append(pending)
+        self.finish_completed()
+        if self._completing:
+            _watcher.watch(self)
+
+    def finish_completed(self, wait: bool = False) -> None:
+        """Publish the steps that take no more and whose spans are done, oldest first.
+
+        Never waits for the device unless `wait` (the program's end): a step whose CUDA events
+        have not completed stays for a later call (the next forward, `last_step`, the watcher).
+        """
+        with self._publish_lock:
+            while True:
+                with self._record_lock:
+                    if not self._completing:
+                        return
+                    pending = self._completing[0]
+                if wait:
+                    pending.wait()
+                elif not pending.ready(pending.with_backward):
+                    return
+                with self._record_lock:
+                    self._completing.popleft()
+                self._publish(pending)
+
+    def flush_steps(self) -> None:
+        """Publish every step still open, waiting for the device if need be: for the program's end."""
+        with self._record_lock:
+            pending = self._pending
+        if pending is not None:
+            self._seal(pending)
+        self.finish_completed(wait=True)
+
+    def _publish(self, pending: _PendingStep) -> None:
+        record = pending.build(with_backward=pending.with_backward)
         balancer = self._balancer
         if balancer is not None and pending.split is self._split:
             record = self._balance(balancer, pending, record)
@@ -606,7 +693,7 @@ class _ForwardState:
     and when each of them ended."""
 
     __slots__ = ("slots", "probes", "pending", "measured", "share_nodes", "binders", "times",
-                 "by_pieces", "base_ran", "marks", "scattered", "applied")
+                 "by_pieces", "base_ran", "marks", "scattered", "applied", "origins", "src", "phase_points")
 
     def __init__(self, started: float) -> None:
         # A forward override's: when each piece it called ended, what it scattered and applied.
@@ -623,22 +710,36 @@ class _ForwardState:
         self.pending: _PendingStep | None = None  # recording: the step's record, waiting for backward
         self.measured = False  # the replicas ran through the probes
         self.times = [started]  # started, scattered, replicated, applied, gathered
+        # CUDA, recording: the step's reference point on each device, and where the replicate,
+        # apply and gather began on device_ids[0]'s stream (events, see DataParallel._start_clock).
+        self.origins: dict[torch.device, Span] | None = None
+        self.src: torch.device | None = None
+        self.phase_points: list[Span] | None = None
 
     def mark(self) -> None:
         self.times.append(time.perf_counter())
+        points = self.phase_points
+        if points is not None and len(points) < 3:
+            points.append(point(self.src))
 
 
 class _PendingStep:
-    """A step whose record waits for its backward."""
+    """A step whose record waits for its backward, then (CUDA) for its events to complete."""
 
-    def __init__(self, owner: DataParallel, step: int, probes: list[ReplicaProbe]) -> None:
+    def __init__(self, owner: DataParallel, step: int, probes: list[ReplicaProbe], state: _ForwardState) -> None:
         self.step = step
         self.probes = probes
         self.dim = owner.dim
         self.cuda = owner.devices[0].type == "cuda"
         self.backward_done = False
+        self.with_backward = False  # once sealed: whether the record has its backward
         self.split = owner._split
         self.slots: list[int] = []
+        self.origin = HostSpan()
+        self.origin.started = state.times[0]  # the DataParallel forward's call, on the host clock
+        self.origins = state.origins or {}
+        self.src = state.src
+        self.phase_points = state.phase_points
         # Weak references: the graph's hooks hold the countdown, and a strong one back to
         # this step (or its owner) would be a reference cycle that outlives the backward.
         self.countdown = BackwardCountdown(
@@ -650,14 +751,34 @@ class _PendingStep:
         self._forward = dict(batch_size=batch_size, input_shapes=input_shapes,
                              output_shapes=output_shapes, times=times)
 
-    def build(self, backward_done: bool) -> StepRecord:
-        replicas = tuple(p.record() for p in self.probes)
-        backward_ms = None
-        timers = [p.backward for p in self.probes if p.backward is not None]
-        if backward_done and timers:
-            backward_ms = (max(t.last_end for t in timers) - min(t.first_start for t in timers)) * 1000.0
+    def ready(self, with_backward: bool) -> bool:
+        """Whether every span the record reads is done: asks the device, never waits for it."""
+        return (all(o.done() for o in self.origins.values())
+                and all(p.done() for p in self.phase_points or ())
+                and all(p.done(with_backward) for p in self.probes))
+
+    def wait(self) -> None:
+        for o in self.origins.values():
+            o.wait()
+        for p in self.phase_points or ():
+            p.wait()
+        for p in self.probes:
+            p.wait(self.with_backward)
+
+    def build(self, with_backward: bool) -> StepRecord:
+        host = self.origin
+        replicas = tuple(p.record(self.origins.get(p.device, host), host.started, with_backward)
+                         for p in self.probes)
+        backward_start = backward_ms = None
+        ran = [r for r in replicas if r.backward_ms is not None]
+        if ran:
+            # Each replica's on its own device's clock, from that device's reference point.
+            backward_start = min(r.backward_start_ms for r in ran)
+            backward_ms = max(r.backward_start_ms + r.backward_ms for r in ran) - backward_start
         f = self._forward
-        scatter, replicate_, apply, gather_, total = (t * 1000.0 for t in f["times"])
+        times = f["times"]
+        scatter, replicate_, apply, gather_, total = (t * 1000.0 for t in times)
+        starts = self._phase_starts(scatter, replicate_, apply)
         split, weights, balanced = describe_split(self.split)
         return StepRecord(
             step=self.step, dim=self.dim, batch_size=f["batch_size"],
@@ -665,7 +786,19 @@ class _PendingStep:
             scatter_ms=scatter, replicate_ms=replicate_, apply_ms=apply, gather_ms=gather_,
             total_ms=total, backward_ms=backward_ms,
             split=split, split_weights=weights, balanced=balanced,
+            scatter_start_ms=starts[0], replicate_start_ms=starts[1], apply_start_ms=starts[2],
+            gather_start_ms=starts[3], backward_start_ms=backward_start,
         )
+
+    def _phase_starts(self, scatter: float, replicate_: float, apply: float) -> tuple[float | None, ...]:
+        """Where scatter, replicate, apply and gather began: host clock on CPU, events on CUDA."""
+        if not self.cuda:
+            return 0.0, scatter, scatter + replicate_, scatter + replicate_ + apply
+        points = self.phase_points
+        if points is None or len(points) < 3 or self.src not in self.origins:
+            return None, None, None, None  # a forward override's pieces on CUDA: not measured
+        origin = self.origins[self.src]
+        return (0.0, *(p.start_ms(origin) for p in points))
 
 
 def _recorded_by_pieces(forward: Callable[..., Any]) -> Callable[..., Any]:
@@ -684,8 +817,8 @@ def _rows(args: Any, kwargs: dict[str, Any], dim: int) -> int:
 
 
 # Per-process runtime (see DataParallel._start_runtime): never pickled or copied.
-_RUNTIME = ("_pool", "_step", "_subscribers", "_record_lock", "_pending", "_last_step", "_saved_bytes",
-            "_plan", "_forward_state")
+_RUNTIME = ("_pool", "_step", "_subscribers", "_record_lock", "_pending", "_completing", "_publish_lock",
+            "_last_step", "_saved_bytes", "_plan", "_forward_state")
 # dpengine's settings beyond torch's attributes (module, dim, device_ids, output_device, src_device_obj).
 _ENGINE_CONFIG = ("devices", "_split", "_split_kind", "_balancer", "recording")
 
@@ -743,6 +876,71 @@ def _run_in_worker(bind: Callable[[], Any] | None, nodes: list[Any] | None, inde
     if probe is None:
         return replica(*args, **kwargs)
     return probe.measure(replica, args, kwargs)
+
+
+class _CompletionWatcher:
+    """Finishes steps whose CUDA events have not yet completed, off the training thread.
+
+    A step is then published soon after the device ran it, not at the next forward; and a
+    DataParallel dropped meanwhile is held here until its last steps are out.
+    """
+
+    POLL_S = 0.02  # a step is out within this of the device running it; the UI redraws at 10 Hz
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._owners: set[DataParallel] = set()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, owner: DataParallel) -> None:
+        with self._cond:
+            self._owners.add(owner)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="dpengine-steps", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._owners:
+                    self._cond.wait()
+                owners = list(self._owners)
+            time.sleep(self.POLL_S)
+            for owner in owners:
+                owner.finish_completed()
+                with self._cond:  # a step sealed after this check is watched again by its _seal
+                    if not owner._completing:
+                        self._owners.discard(owner)
+            owners = owner = None  # hold none of them while waiting
+
+
+class _StepsAtExit:
+    """At the program's end, every DataParallel that recorded publishes the steps it still holds.
+
+    Registered with atexit at the first recorded step, not at import: atexit runs the newest
+    first, so this runs before whatever was registered earlier (`dptui run`'s flush to dptui).
+    """
+
+    def __init__(self) -> None:
+        self._owners: weakref.WeakSet[DataParallel] = weakref.WeakSet()
+        self._registered = False
+
+    def track(self, owner: DataParallel) -> None:
+        if owner in self._owners:
+            return
+        self._owners.add(owner)
+        if not self._registered:
+            self._registered = True
+            atexit.register(self.flush)
+
+    def flush(self) -> None:
+        for owner in list(self._owners):
+            owner.flush_steps()
+
+
+_watcher = _CompletionWatcher()
+_at_exit = _StepsAtExit()
 
 
 def _notify_backward_done(owner_ref: weakref.ref, pending_ref: weakref.ref) -> None:

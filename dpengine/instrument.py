@@ -1,11 +1,14 @@
 """Per-replica measurements: forward time, memory, and backward time.
 
 Forward: `perf_counter` around the replica on CPU; CUDA events on the replica's
-stream on GPU (read when the record is finished, so the forward never syncs).
+stream on GPU, never waited for: a record is finished once its spans are done()
+(HostSpan, CudaSpan: the same interface, so the completion logic runs on CPU too).
+Starts are offsets from the step's reference point on the replica's device.
 Memory: on CPU the bytes of tensors the replica saved for backward
 (saved_tensors_hooks, counted once per storage; measured on the first step of
-each kind and reused, see SavedBytesCache); on CUDA `memory_allocated` after
-the forward and the step's peak.
+each kind and reused, see SavedBytesCache); on CUDA the allocated bytes after the
+forward and the device's peak since the step's start, read at the backward's end
+(one read of the allocator's counters each, see cuda_memory).
 Backward: after the forward, the worker walks the replica's autograd graph (from
 its outputs down to the scatter, the parameters and the broadcast) and hooks its
 output nodes and its frontier nodes (see BackwardTimer). A replica's backward time
@@ -23,6 +26,7 @@ from typing import Any
 
 import torch
 
+from . import cuda_memory
 from .records import ReplicaRecord, Shape
 
 # Graph nodes a replica does not own: parameters' AccumulateGrad, and the replicate step:
@@ -84,22 +88,102 @@ class _SavedBytes:
         return tensor
 
 
-class _CudaSpan:
-    """Two CUDA events on the current stream: recorded without a sync, read when the record is built."""
+class HostSpan:
+    """A span on the host clock: done as soon as it is stopped.
+
+    The completion interface that CudaSpan shares (start, stop, done, elapsed_ms, start_ms), so
+    the logic that finishes a record once its spans are done runs the same on CPU.
+    """
+
+    __slots__ = ("started", "ended")
 
     def __init__(self) -> None:
-        self._start = torch.cuda.Event(enable_timing=True)
-        self._end = torch.cuda.Event(enable_timing=True)
+        self.started: float | None = None
+        self.ended: float | None = None
 
     def start(self) -> None:
-        self._start.record()
+        self.started = time.perf_counter()
 
     def stop(self) -> None:
-        self._end.record()
+        self.ended = time.perf_counter()
+
+    def mark(self) -> None:
+        """A point: started and stopped at once."""
+        self.started = self.ended = time.perf_counter()
+
+    def done(self) -> bool:
+        return self.ended is not None
+
+    def wait(self) -> None:
+        """Nothing to wait for on the host (CudaSpan waits for the device)."""
 
     def elapsed_ms(self) -> float:
-        self._end.synchronize()
+        return (self.ended - self.started) * 1000.0
+
+    def start_ms(self, origin: HostSpan) -> float:
+        """Where this span began, in ms after `origin` began."""
+        return (self.started - origin.started) * 1000.0
+
+
+class CudaSpan:
+    """Two CUDA events on the device's current stream, recorded without a sync.
+
+    `done()` asks the device without waiting (`Event.query`); `elapsed_ms` and `start_ms` may
+    be read only once it is true (torch refuses to time events that have not completed). The
+    events go on `current_stream(device)`, not on the current device's: a single-device run
+    on cuda:N runs on the caller's thread, whose current device may be another. Two spans are
+    compared (`start_ms`) only on one device: CUDA times events against each other per device.
+    """
+
+    __slots__ = ("device", "_start", "_end", "_stopped")
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._start = torch.cuda.Event(enable_timing=True)
+        self._end = torch.cuda.Event(enable_timing=True)
+        self._stopped = False
+
+    def start(self) -> None:
+        self._start.record(torch.cuda.current_stream(self.device))
+
+    def stop(self) -> None:
+        self._end.record(torch.cuda.current_stream(self.device))
+        self._stopped = True
+
+    def mark(self) -> None:
+        """A point: one event, both start and end."""
+        self._start.record(torch.cuda.current_stream(self.device))
+        self._end = self._start
+        self._stopped = True
+
+    def done(self) -> bool:
+        return self._stopped and self._end.query()
+
+    def wait(self) -> None:
+        """Block until the span's end has run on the device: only where waiting is the point (exit)."""
+        if self._stopped:
+            self._end.synchronize()
+
+    def elapsed_ms(self) -> float:
         return self._start.elapsed_time(self._end)
+
+    def start_ms(self, origin: CudaSpan) -> float:
+        return origin._start.elapsed_time(self._start)
+
+
+Span = HostSpan | CudaSpan
+
+
+def new_span(device: torch.device) -> Span:
+    """A span timed where `device` runs: CUDA events on a GPU, the host clock otherwise."""
+    return CudaSpan(device) if device.type == "cuda" else HostSpan()
+
+
+def point(device: torch.device) -> Span:
+    """A point in time on `device` (a step's reference, a phase's start)."""
+    span = new_span(device)
+    span.mark()
+    return span
 
 
 def _owned(node: Any, boundary: set[Any]) -> bool:
@@ -120,10 +204,13 @@ class BackwardTimer:
     def __init__(self, device: torch.device, on_done: Callable[[], None]) -> None:
         self._on_done = on_done
         self._frontier_left = 0
-        self.first_start: float | None = None
-        self.last_end: float | None = None
-        self._cuda_span = _CudaSpan() if device.type == "cuda" else None
-        self.done = False
+        # Host clock on CPU; events on the replica's stream on CUDA, where the hooks only
+        # launch: the span is what the device did, read once its events have completed.
+        self.span = new_span(device)
+        self._device = device
+        self.peak_bytes: int | None = None  # CUDA: the device's peak since the step's start, read at the end
+        self.started = False
+        self.ran = False  # its last node has run (on the host; on CUDA the device may still be busy)
 
     @staticmethod
     def _roots(outputs: list[torch.Tensor], boundary: set[Any]) -> list[Any]:
@@ -182,24 +269,18 @@ class BackwardTimer:
         return True
 
     def _start(self, grad_outputs: Any) -> None:
-        if self.first_start is None:
-            self.first_start = time.perf_counter()
-            if self._cuda_span is not None:
-                self._cuda_span.start()
+        if not self.started:
+            self.started = True
+            self.span.start()
 
     def _end(self, grad_inputs: Any, grad_outputs: Any) -> None:
         self._frontier_left -= 1
-        if self._frontier_left == 0 and not self.done:
-            self.last_end = time.perf_counter()
-            if self._cuda_span is not None:
-                self._cuda_span.stop()
-            self.done = True
+        if self._frontier_left == 0 and not self.ran:
+            self.span.stop()
+            if self._device.type == "cuda":
+                self.peak_bytes = cuda_memory.allocated(self._device)[1]
+            self.ran = True
             self._on_done()
-
-    def elapsed_ms(self) -> float:
-        if self._cuda_span is not None:
-            return self._cuda_span.elapsed_ms()
-        return (self.last_end - self.first_start) * 1000.0
 
 
 class ReplicaProbe:
@@ -211,13 +292,17 @@ class ReplicaProbe:
     with the other replicas on every op they launch; the caller, after the join, has it alone.
     """
 
-    def __init__(self, index: int, device: torch.device, name: str, dim: int) -> None:
+    def __init__(self, index: int, device: torch.device, name: str, dim: int, reset_peak: bool = True) -> None:
         self.index = index
+        # CUDA: restart the device's peak at the forward (a DDP rank's step starts there); a
+        # DataParallel restarts it at its step's start itself, for all its devices at once.
+        self._reset_peak = reset_peak and device.type == "cuda"
         self.device = device
         self.name = name
         self.dim = dim
         self.backward: BackwardTimer | None = None
-        self._cuda_clock = _CudaSpan() if device.type == "cuda" else None
+        self._cuda_clock = CudaSpan(device) if device.type == "cuda" else None
+        self._started = 0.0  # CPU: perf_counter at the forward's start
         self._forward_s = 0.0
         self._saved: _SavedBytes | None = None
         # CPU: the bytes this replica saves, already known from a step like this one (see
@@ -235,23 +320,23 @@ class ReplicaProbe:
         """fn(*args, **kwargs), timed; in the replica's thread."""
         clock = self._cuda_clock
         if clock is None and self.known_saved is not None:
-            started = time.perf_counter()
+            started = self._started = time.perf_counter()
             output = fn(*args, **kwargs)
             self._forward_s = time.perf_counter() - started
             return output
         if clock is None:
             saved = self._saved = _SavedBytes()
-            started = time.perf_counter()
+            started = self._started = time.perf_counter()
             with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
                 output = fn(*args, **kwargs)
             self._forward_s = time.perf_counter() - started
             return output
-        torch.cuda.reset_peak_memory_stats(self.device)
+        if self._reset_peak:
+            cuda_memory.KEEPER.step_reset(self.device.index)
         clock.start()
         output = fn(*args, **kwargs)
         clock.stop()
-        self._memory = torch.cuda.memory_allocated(self.device)
-        self._peak = torch.cuda.max_memory_allocated(self.device)
+        self._memory, self._peak = cuda_memory.allocated(self.device)
         return output
 
     def describe(self, args: tuple, kwargs: dict, output: Any, on_backward_done: Callable[[], None],
@@ -279,9 +364,11 @@ class ReplicaProbe:
             if attached:
                 self.backward = timer
 
-    def untimed(self, apply_s: float) -> None:
-        """The replica ran outside `measure` (a parallel_apply override): say so, and give it the span."""
+    def untimed(self, apply_s: float, started: float) -> None:
+        """The replica ran outside `measure` (a parallel_apply override): say so, and give it the
+        span of the whole apply, on the host clock (`started`: its perf_counter)."""
         self._forward_s = apply_s
+        self._started = started
         self._timed = False
         self._cuda_clock = None
 
@@ -291,20 +378,56 @@ class ReplicaProbe:
         self.describe(args, kwargs, output, on_backward_done)
         return output
 
-    def record(self) -> ReplicaRecord:
-        backward = self.backward
+    def done(self, with_backward: bool) -> bool:
+        """Whether every span the record reads has completed (at once on the host)."""
         clock = self._cuda_clock
+        if clock is not None and not clock.done():
+            return False
+        backward = self.backward
+        return not with_backward or backward is None or not backward.ran or backward.span.done()
+
+    def wait(self, with_backward: bool) -> None:
+        """Until done(with_backward): for the end of the program, never on the training path."""
+        if self._cuda_clock is not None:
+            self._cuda_clock.wait()
+        if with_backward and self.backward is not None and self.backward.ran:
+            self.backward.span.wait()
+
+    def record(self, origin: Span | None = None, host_origin: float = 0.0, with_backward: bool = True) -> ReplicaRecord:
+        """The replica's record once done(with_backward); starts from `origin`, the step's
+        reference on this replica's device (`host_origin`: the step's start on the host clock).
+
+        Without an origin (a DDP rank's probe, read after its loss.item()): no starts, and it
+        waits for the spans, which that sync has already completed.
+        """
+        backward = self.backward if with_backward else None
+        if backward is not None and not backward.ran:
+            backward = None
+        if origin is None:
+            self.wait(with_backward)
+        clock = self._cuda_clock
+        if clock is not None:
+            forward_ms = clock.elapsed_ms()
+            forward_start = clock.start_ms(origin) if origin is not None else None
+        else:
+            forward_ms = self._forward_s * 1000.0
+            forward_start = (self._started - host_origin) * 1000.0 if origin is not None else None
+        peak = self._peak
+        if backward is not None and backward.peak_bytes is not None:
+            peak = max(peak or 0, backward.peak_bytes)
         return ReplicaRecord(
             index=self.index,
             device=self.name,
             chunk_size=self._chunk,
             input_shapes=self._input_shapes,
             output_shapes=self._output_shapes,
-            forward_ms=clock.elapsed_ms() if clock is not None else self._forward_s * 1000.0,
+            forward_ms=forward_ms,
             memory_bytes=self._memory,
-            peak_memory_bytes=self._peak,
-            backward_ms=backward.elapsed_ms() if backward is not None and backward.done else None,
+            peak_memory_bytes=peak,
+            backward_ms=backward.span.elapsed_ms() if backward is not None else None,
             forward_timed=self._timed,
+            forward_start_ms=forward_start,
+            backward_start_ms=backward.span.start_ms(origin) if backward is not None and origin is not None else None,
         )
 
 

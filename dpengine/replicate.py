@@ -63,6 +63,20 @@ def replicate(network: nn.Module, devices: Sequence[DeviceLike], detach: bool = 
     return replicate_shared(network, len(parsed), detach=detach)
 
 
+def replicate_from_source(replicate_fn: Callable[[nn.Module, list], list[nn.Module]], module: nn.Module,
+                          source: DeviceLike, device_ids: Sequence[DeviceLike]) -> list[nn.Module]:
+    """replicate_fn(module, device_ids), broadcast from `source` (where the parameters live).
+
+    torch's Broadcast (comm.broadcast_coalesced) refuses a device list whose first entry is
+    not where the tensors are: a split that leaves `source` no rows would fail every step. The
+    replica made on `source` for that is dropped.
+    """
+    device_ids = list(device_ids)
+    if not device_ids or device_ids[0] == source:
+        return replicate_fn(module, device_ids)
+    return replicate_fn(module, [source, *device_ids])[1:]
+
+
 def is_compiled(module: nn.Module) -> bool:
     """Whether module is torch.compile's wrapper (OptimizedModule); without importing dynamo."""
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")

@@ -299,10 +299,15 @@ def test_data_parallel_recovers_when_the_slow_device_becomes_fast():
         dp(x).sum().backward()
     assert dp.last_step.chunk_sizes[2] <= 6
     ms_per_row.clear()  # cpu:2 is as fast as the others now
-    for _ in range(20):
+    # Back to about a third each, held for three steps, within 40 (generous: a loaded machine adds
+    # noise to every sleep, and a probe share now and then is the balancer's own).
+    sizes = []
+    for _ in range(40):
         dp(x).sum().backward()
-    # Back to about a third each (generous: a loaded machine adds noise to every sleep).
-    assert dp.last_step.chunk_sizes[2] >= 8
+        sizes.append(dp.last_step.chunk_sizes)
+        if len(sizes) >= 3 and all(s[2] >= 8 for s in sizes[-3:]):
+            break
+    assert all(s[2] >= 8 for s in sizes[-3:]), sizes
     dp.close()
 
 
@@ -318,11 +323,14 @@ def test_data_parallel_follows_the_load_from_one_device_to_another():
     ms_per_row.clear()
     ms_per_row["cpu:0"] = 1.5
     sizes = []
-    for _ in range(25):
+    # cpu:0 sheds its rows and cpu:1 takes them back, held for three steps, within 40 (generous
+    # bounds: a loaded machine adds noise to every sleep).
+    for _ in range(40):
         dp(x).sum().backward()
         sizes.append(dp.last_step.chunk_sizes)
-    # cpu:0 sheds its rows (generous bounds: a loaded machine adds noise to every sleep)
-    assert sizes[-1][0] <= 6 and sizes[-1][1] >= 8, sizes
+        if len(sizes) >= 3 and all(s[0] <= 6 and s[1] >= 8 for s in sizes[-3:]):
+            break
+    assert all(s[0] <= 6 and s[1] >= 8 for s in sizes[-3:]), sizes
     assert dp.last_step.even_ms is not None and isinstance(dp.last_step.even_ms_unsure, bool)
     dp.close()
 

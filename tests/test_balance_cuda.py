@@ -26,7 +26,8 @@ def test_auto_balance_runs_on_gpus_and_records_even_ms():
     x = torch.randn(128, 64, device="cuda:0")
     for _ in range(8):
         dp(x).square().mean().backward()
-    record = dp.last_step  # CUDA records finish lazily, on the next forward or here
+    torch.cuda.synchronize()
+    record = dp.last_step  # CUDA records finish once the device ran them: reading never waits
     assert sum(record.chunk_sizes) == 128 and min(record.chunk_sizes) >= 1
     assert record.even_ms is not None and record.even_ms > 0
     dp.close()
@@ -41,6 +42,7 @@ def test_an_uneven_balanced_split_leaves_the_gradients_unchanged():
     dp = DataParallel(model, [0, 1])
     dp._split = BalancedSplit((0.8, 0.2))  # what the balancer would set
     nn.functional.mse_loss(dp(x), y).backward()
+    torch.cuda.synchronize()
     assert dp.last_step.chunk_sizes == (24, 6)
     for a, b in zip(reference.parameters(), model.parameters()):
         torch.testing.assert_close(b.grad, a.grad, atol=1e-4, rtol=1e-4)

@@ -7,11 +7,16 @@ from __future__ import annotations
 
 import copy
 import gc
+import subprocess
+import sys
+import textwrap
 import threading
+import time
 
 import pytest
 import torch
 from torch import nn
+from waiting import wait_for
 
 import dpengine
 from dpengine import StepRecord
@@ -43,6 +48,12 @@ def assert_grads_close(a: nn.Module, b: nn.Module, **tol) -> None:
 def assert_params_close(a: nn.Module, b: nn.Module) -> None:
     for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
         torch.testing.assert_close(pb.cpu(), pa.cpu(), msg=name, **TOL)
+
+
+def finished(dp) -> StepRecord:
+    """The newest step's record once the device has run it: reading last_step never waits."""
+    torch.cuda.synchronize()
+    return dp.last_step
 
 
 def run_steps(plain: nn.Module, dp: nn.Module, x_device: torch.device, steps: int = 3) -> None:
@@ -142,13 +153,13 @@ def test_cuda_records(make_dp, count: int) -> None:
     out = dp(x)
     sizes = [c.size(0) for c in x.chunk(count)]
     names = [f"cuda:{i}" for i in range(count)]
-    before = dp.last_step
+    before = finished(dp)  # the forward's half: its backward may still come
     _check_cuda_record(before, names, sizes)
     assert before.backward_ms is None and all(r.backward_ms is None for r in before.replicas)
+    assert got == []
 
     out.sum().backward()
-    torch.cuda.synchronize()
-    after = dp.last_step  # CUDA steps are finished lazily: reading it finishes this one
+    after = finished(dp)
     _check_cuda_record(after, names, sizes)
     assert after.step == 1 and after.backward_ms is not None and after.backward_ms > 0
     assert all(r.backward_ms is not None and r.backward_ms >= 0 for r in after.replicas)
@@ -157,9 +168,13 @@ def test_cuda_records(make_dp, count: int) -> None:
     with torch.no_grad():
         dp(x)
     dp(x).sum().backward()
-    dp(x)  # publishes the previous step
+    dp(x)  # under grad: its backward may still come, until the next forward or the program's end
+    torch.cuda.synchronize()
+    wait_for(lambda: len(got) == 3, "steps 2 and 3 published once the device ran them, without a forward")
     assert [r.step for r in got] == [1, 2, 3]
     assert got[1].backward_ms is None and got[2].backward_ms is not None
+    dp.flush_steps()
+    assert [r.step for r in got] == [1, 2, 3, 4] and got[3].backward_ms is None
 
 
 @pytest.mark.parametrize("count", [1, 2])
@@ -171,12 +186,173 @@ def test_no_reference_cycles(make_dp, count: int) -> None:
     def run() -> None:
         model = make_dp(nn.Linear(1, 1).cuda(), device_ids=list(range(count)))
         model(torch.randn(4, 1, device="cuda")).sum().backward()
-        assert model.last_step.backward_ms is not None
+        assert finished(model).backward_ms is not None
 
     run()  # first use of CUDA, cuBLAS and the peak-memory counters may leave garbage once
     gc.collect()
     run()
     assert gc.collect() == 0
+
+
+# ----------------------------------------------------------------- issue 20 on one GPU
+
+
+def cycles_for(ms: float, device: int = 0) -> int:
+    """torch.cuda._sleep's argument that keeps `device` busy for about `ms`."""
+    with torch.cuda.device(device):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1000)  # loaded and warm
+        start.record()
+        torch.cuda._sleep(10_000_000)
+        end.record()
+        end.synchronize()
+        return int(10_000_000 * ms / start.elapsed_time(end))
+
+
+class Busy(nn.Module):
+    """A Linear whose forward keeps its device busy for `cycles` (torch.cuda._sleep)."""
+
+    def __init__(self, cycles: int, seen: list | None = None) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+        self.cycles = cycles
+        self.seen = seen
+
+    def forward(self, x):
+        if self.seen is not None:
+            self.seen.append(torch.cuda.current_device())
+        with torch.cuda.device(x.device):  # _sleep runs on the current device's current stream
+            torch.cuda._sleep(self.cycles)
+        return self.lin(x)
+
+
+class SleepInBackward(torch.autograd.Function):
+    """Identity whose backward keeps the device busy for `cycles` and may allocate `scratch` bytes."""
+
+    @staticmethod
+    def forward(ctx, x, cycles, scratch):
+        ctx.cycles, ctx.scratch = cycles, scratch
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        torch.cuda._sleep(ctx.cycles)  # autograd runs it on the device's thread and stream
+        if ctx.scratch:
+            grad = grad + torch.zeros(ctx.scratch // 4, device=grad.device)[: grad.numel()].view_as(grad)
+        return grad, None, None
+
+
+class SlowBackward(nn.Module):
+    def __init__(self, cycles: int, scratch: int = 0) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+        self.cycles, self.scratch = cycles, scratch
+
+    def forward(self, x):
+        return SleepInBackward.apply(self.lin(x), self.cycles, self.scratch)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_steps_never_wait_for_the_device(make_dp, grad: bool) -> None:
+    # 20.3: the host runs ahead, as under torch's DataParallel: neither a no_grad forward nor the
+    # next forward waits for the device (both used to, on the previous step's events).
+    dp = make_dp(Busy(cycles_for(200)).cuda(), device_ids=[0])
+    got: list[StepRecord] = []
+    dp.subscribe(got.append)
+    x = torch.randn(8, 4, device="cuda")
+    dp(x).sum().backward()
+    finished(dp)
+    dp.flush_steps()
+    started = time.perf_counter()
+    with torch.set_grad_enabled(grad):
+        for _ in range(3):
+            out = dp(x)
+            if grad:
+                out.sum().backward()
+    host_s = time.perf_counter() - started
+    assert host_s < 0.3, f"3 steps of 200 ms on the device took {host_s:.3f} s on the host"
+    torch.cuda.synchronize()
+    wait_for(lambda: len(got) == 4, "the three steps published once the device ran them")
+    assert [r.step for r in got] == [1, 2, 3, 4]
+    assert all(r.replicas[0].forward_ms > 150 for r in got[1:])
+
+
+def test_step_backward_ms_is_the_devices_time(make_dp) -> None:
+    # 20.6: the host only launches a backward; the step's backward_ms is the replicas' events.
+    dp = make_dp(SlowBackward(cycles_for(100)).cuda(), device_ids=[0])
+    dp(torch.randn(8, 4, device="cuda")).sum().backward()
+    record = finished(dp)
+    (replica,) = record.replicas
+    assert replica.backward_ms > 80 and record.backward_ms == pytest.approx(replica.backward_ms)
+    assert record.backward_start_ms == replica.backward_start_ms
+
+
+def test_the_step_peak_counts_the_backward_and_starts_at_the_step(make_dp) -> None:
+    # 20.4: reset at the step's start (not around the forward), read once the backward ended.
+    scratch = 256 << 20
+    big = torch.empty(scratch * 2, dtype=torch.uint8, device="cuda")  # before the step: not its peak
+    del big
+    dp = make_dp(SlowBackward(0, scratch).cuda(), device_ids=[0])
+    dp(torch.randn(8, 4, device="cuda")).sum().backward()
+    (replica,) = finished(dp).replicas
+    assert replica.memory_bytes < scratch
+    assert scratch <= replica.peak_memory_bytes < scratch * 2
+    # Without dptui run's view, the allocator's peak starts at each step (README: Memory).
+    assert torch.cuda.max_memory_allocated() < scratch * 2
+
+
+def test_under_dptui_run_the_scripts_own_peak_is_kept(tmp_path) -> None:
+    script = tmp_path / "peak.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+        from dpengine import DataParallel
+        from dpengine.cuda_memory import keep_users_view
+        keep_users_view()  # what dptui run's bootstrap does
+        big = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
+        del big
+        dp = DataParallel(nn.Linear(4, 2).cuda(), [0])
+        for _ in range(3):
+            dp(torch.randn(8, 4, device="cuda")).sum().backward()
+        kept = torch.cuda.max_memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        dp(torch.randn(8, 4, device="cuda")).sum().backward()
+        print(kept >= 512 << 20, torch.cuda.max_memory_allocated() < 512 << 20)
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "True"]
+
+
+def test_the_last_step_is_published_at_exit_without_waiting_before(tmp_path) -> None:
+    # 20.5: a forward-only loop on CUDA: every step out, the last at the program's end.
+    script = tmp_path / "forward_only.py"
+    script.write_text(textwrap.dedent("""
+        import atexit, torch
+        from torch import nn
+        from dpengine import DataParallel
+        atexit.register(lambda: print("published", steps))
+        steps = []
+        dp = DataParallel(nn.Linear(4, 2).cuda(), [0])
+        dp.subscribe(lambda r: steps.append((r.step, r.replicas[0].forward_ms > 0)))
+        for _ in range(3):
+            dp(torch.randn(6, 4, device="cuda"))
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "published [(1, True), (2, True), (3, True)]"
+
+
+def test_phase_starts_from_events(make_dp) -> None:
+    # 22.2 on CUDA: offsets from the step's reference event, in the order the stream ran them.
+    dp = make_dp(SlowBackward(cycles_for(20)).cuda(), device_ids=[0])
+    dp(torch.randn(8, 4, device="cuda")).sum().backward()
+    record = finished(dp)
+    (replica,) = record.replicas
+    assert record.scatter_start_ms == 0.0
+    assert 0.0 <= record.replicate_start_ms <= record.apply_start_ms <= replica.forward_start_ms
+    assert replica.forward_start_ms + replica.forward_ms <= record.gather_start_ms + 1e-3
+    assert replica.backward_start_ms >= record.gather_start_ms
 
 
 # ----------------------------------------------------------------- two GPUs
@@ -191,7 +367,7 @@ def test_two_gpu_parity(make_dp) -> None:
     out_plain, out_dp = plain(x), dp(x)
     assert out_dp.device == torch.device("cuda", 0)
     torch.testing.assert_close(out_dp, out_plain, **TOL)
-    assert dp.last_step.devices == ("cuda:0", "cuda:1") and dp.last_step.chunk_sizes == (5, 5)
+    assert finished(dp).devices == ("cuda:0", "cuda:1") and finished(dp).chunk_sizes == (5, 5)
     out_plain.pow(2).sum().backward()
     out_dp.pow(2).sum().backward()
     assert all(p.grad.device == torch.device("cuda", 0) for p in dp.module.parameters())
@@ -218,7 +394,7 @@ def test_two_gpu_cpu_inputs_kwargs_and_input_grad(make_dp) -> None:
     out = dp(x, bias=bias, scale=0.5)
     expected = plain(x_ref, bias=bias, scale=0.5)
     torch.testing.assert_close(out.cpu(), expected, **TOL)
-    assert dp.last_step.chunk_sizes == (4, 3)
+    assert finished(dp).chunk_sizes == (4, 3)
     out.sum().backward()
     expected.sum().backward()
     torch.testing.assert_close(x.grad, x_ref.grad, **TOL)
@@ -345,3 +521,36 @@ def test_two_gpu_workers_are_persistent(make_dp) -> None:
     for _ in range(50):
         dp(x).sum().backward()
     assert dp.worker_thread_ids() == ids and threading.active_count() == count
+
+
+@two_gpus
+@pytest.mark.parametrize("split", [dict(chunk_sizes=[0, 10]), dict(balance="weights", weights=[0, 1])])
+def test_two_gpu_device_0_without_rows(make_dp, split) -> None:
+    # 20.1: replicate([1]) would fail in torch's Broadcast ("All tensors must be on devices[0]").
+    torch.manual_seed(8)
+    plain = make_mlp().cuda()
+    dp = make_dp(copy.deepcopy(plain), device_ids=[0, 1], **split)
+    x = torch.randn(10, 5, device="cuda")
+    for _ in range(2):
+        out = dp(x)
+        torch.testing.assert_close(out, plain(x), **TOL)
+        out.pow(2).sum().backward()
+    plain(x).pow(2).sum().backward()
+    plain(x).pow(2).sum().backward()
+    assert_grads_close(plain, dp.module)
+    assert finished(dp).devices == ("cuda:1",)
+
+
+@two_gpus
+def test_two_gpu_a_single_device_on_cuda_1_is_timed_there(make_dp) -> None:
+    # 20.2: the module runs on the caller's thread; its events go on cuda:1's stream, and the
+    # current device stays the caller's (torch's single-device path does not switch it either).
+    seen: list[int] = []
+    busy = cycles_for(50, device=1)
+    module = nn.Sequential(Busy(busy, seen), SlowBackward(busy)).cuda(1)
+    dp = make_dp(module, device_ids=[1])
+    assert torch.cuda.current_device() == 0
+    dp(torch.randn(8, 4, device="cuda:1")).sum().backward()
+    (replica,) = finished(dp).replicas
+    assert seen == [0]
+    assert replica.device == "cuda:1" and replica.forward_ms > 40 and replica.backward_ms > 40

@@ -23,7 +23,7 @@ from dpengine.run.protocol import PAUSE, Run
 from tui.script.ddp_launch import parse_launch
 from tui.script.ddp_run import DdpRun
 from tui.script.events import ScriptNotice
-from tui.script.script_run import ScriptTarget
+from tui.script.script_run import ScriptRun, ScriptTarget
 
 RANKS = Path(__file__).parent / "fixtures" / "ranks"
 FAKE = str(RANKS / "fake_rank.py")
@@ -376,3 +376,30 @@ def test_when_dptui_is_killed_torchrun_and_its_ranks_end_too():
             wait_for(lambda: gone(pid), f"process {pid} ended", timeout=60)
     finally:
         proc.kill()
+
+
+def test_plain_dptui_run_pauses_the_ranks_a_script_spawns_in_lockstep(monkeypatch):
+    for name in [k for k in os.environ if k.startswith("DPTUI_")]:
+        monkeypatch.delenv(name)
+    script = Path(__file__).parent / "fixtures" / "scripts" / "spawned_ranks.py"
+    run = ScriptRun(ScriptTarget(str(script), (str(free_port_pair()), "100000")), ("cpu:0", "cpu:1"),
+                    telemetry_interval=None, grace_s=3)
+    events: list = []
+    run.subscribe(events.append)
+    thread = threading.Thread(target=run.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: sum(isinstance(e, RankStepFinished) for e in events) >= 6, "spawned ranks stepping",
+                 timeout=TIMEOUT)
+        request = run.pause()
+        wait_for(lambda: any(isinstance(e, StateChanged) and e.state == "paused" for e in events), "paused")
+        assert next(e for e in events if isinstance(e, StateChanged)).request == request
+        last = {r: max(e.step for e in events if isinstance(e, RankStepFinished) and e.rank == r) for r in (0, 1)}
+        assert last[0] == last[1]
+        assert run.pause_deadline() is not None
+        run.resume()
+        wait_for(lambda: any(isinstance(e, RankStepFinished) and e.step > last[0] for e in events), "steps again")
+    finally:
+        run.stop()
+        thread.join(timeout=60)
+    assert all(gone(e.pid) for e in events if isinstance(e, RankJoined))

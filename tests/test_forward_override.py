@@ -274,6 +274,7 @@ def test_on_cuda_a_forward_override_over_torchs_pieces_is_recorded_with_its_even
         out.sum().backward()
         plain(x).sum().backward()
         assert_grads_equal(plain, model)
+        torch.cuda.synchronize()  # reading last_step never waits for the device
         record = dp.last_step
         assert (record.chunk_sizes, record.devices) == ((6,), ("cuda:0",))
         assert record.replicas[0].forward_timed and record.replicas[0].forward_ms > 0

@@ -96,3 +96,10 @@ def test_another_nodes_rank_ended_by_a_signal_is_the_failure():
 def test_without_any_word_from_the_ranks_torchruns_own_status():
     assert exit_status(Generation(0), FailureRecord(), None, 1).code == 1
     assert exit_status(Generation(0), FailureRecord(), None, -signal.SIGKILL).code == 137
+
+
+def test_a_rank_that_raised_is_the_cause_even_when_torchrun_saw_a_peer_abort_first():
+    gen = generation()
+    gen.failed[1] = {"host": "node1", "error": "ValueError: boom"}
+    status = exit_status(gen, record((0, -signal.SIGABRT), (1, 1)), None, 1)
+    assert (status.code, status.failed_rank) == (1, 1)

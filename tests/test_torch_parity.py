@@ -389,6 +389,7 @@ def test_overrides_functional_forms_and_zero_grads_on_gpus() -> None:
     try:
         outputs = dp(torch.randn(8, 4, device="cuda"))
         assert isinstance(outputs, list) if len(gpus) > 1 else outputs.shape == (8, 1)
+        torch.cuda.synchronize()  # reading last_step never waits for the device
         assert dp.last_step.devices == tuple(f"cuda:{i}" for i in gpus[: len(dp.last_step.devices)])
         chunks = dpengine.scatter(torch.arange(8.0, device="cuda"), gpus)
         torch.testing.assert_close(dpengine.gather(list(chunks), -1), torch.arange(8.0))

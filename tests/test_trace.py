@@ -55,11 +55,11 @@ def test_a_real_runs_log_exports_one_event_per_phase_per_step(tmp_path, capsys):
     steps = [e for e in read_event_log(log) if isinstance(e, StepFinished)]
     assert main(["view", "--trace", str(out), str(log)]) == 0
     said = capsys.readouterr().err
-    assert f"8 steps of 1 run written to {out}" in said and APPROXIMATE in said
+    assert f"8 steps of 1 run written to {out}" in said and APPROXIMATE not in said
 
     trace = json.loads(out.read_text())
     (process,) = named(trace, "process_name").values()
-    assert process.startswith("run 1: seed · dp") and APPROXIMATE in process  # no start times in this log
+    assert process.startswith("run 1: seed · dp") and APPROXIMATE not in process  # the engine's start times
     tracks = named(trace, "thread_name")
     assert sorted(tracks.values()) == ["cpu:0", "cpu:1", "cpu:2", "engine"]
     by_track = {name: tid for (pid, tid), name in tracks.items()}
@@ -71,6 +71,12 @@ def test_a_real_runs_log_exports_one_event_per_phase_per_step(tmp_path, capsys):
         assert event["dur"] / 1000 == pytest.approx(replica.forward_ms, rel=1e-12)
         assert event["args"]["rows"] == replica.chunk_size
     instants = [e for e in trace if e["ph"] == "i"]
+    for event in forwards:  # ... and starts where it says, after the apply began
+        step = steps[event["args"]["step"] - 1]
+        (replica,) = [r for r in step.record.replicas if by_track[r.device] == event["tid"]]
+        step_start = instants[step.step - 1]["ts"]
+        assert event["ts"] == pytest.approx(step_start + replica.forward_start_ms * 1000)
+        assert replica.forward_start_ms >= step.record.apply_start_ms
     assert [e["name"] for e in instants] == [f"step {n}" for n in range(1, 9)]
     # Steps follow one another, and each phase lies inside its step.
     starts = [e["ts"] for e in instants]
@@ -80,6 +86,27 @@ def test_a_real_runs_log_exports_one_event_per_phase_per_step(tmp_path, capsys):
     gathers = complete(trace, "gather")
     for start, gather, step in zip(starts, gathers, steps):
         assert gather["ts"] + gather["dur"] == pytest.approx(start + step.record.total_ms * 1000)
+
+
+def test_an_older_log_without_start_times_is_laid_end_to_end_and_says_so(tmp_path, capsys):
+    log, out = tmp_path / "run.jsonl", tmp_path / "trace.json"
+    args = ["--headless", "--json", "--no-telemetry", "--devices", "cpu:0,cpu:1", "--seed", "1", "--epochs", "1"]
+    assert main(args) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    for data in lines:  # as a log written before the records had start times
+        if data["type"] == "step":
+            for part in (data["engine"], *data["replicas"]):
+                for name in [k for k in part if k.endswith("_start_ms")]:
+                    del part[name]
+    log.write_text("".join(json.dumps(d) + "\n" for d in lines))
+    assert main(["view", "--trace", str(out), str(log)]) == 0
+    assert APPROXIMATE in capsys.readouterr().err
+    trace = json.loads(out.read_text())
+    (process,) = named(trace, "process_name").values()
+    assert APPROXIMATE in process
+    applies = {e["args"]["step"]: e for e in complete(trace, "apply")}
+    for event in complete(trace, "forward"):  # from the apply's start
+        assert event["ts"] == applies[event["args"]["step"]]["ts"]
 
 
 def with_starts(event: StepFinished) -> dict:

@@ -38,6 +38,7 @@ from .widgets.device_grid import DeviceGrid
 from .widgets.history import HistoryChart
 from .widgets.run_log import RunLog
 from .widgets.status_bar import StatusBar
+from .widgets.step_timeline import StepTimeline
 
 if TYPE_CHECKING:
     from dpengine.run.protocol import RunFactory
@@ -51,7 +52,8 @@ LOG_STYLES = {"model": "", "event": "cyan", "error": "bold red"}
 # ctrl+q, Textual's own quit binding, still does, through action_quit).
 PLAIN_KEY_ACTIONS = {
     "pause", "resume", "scale_batch", "ask_batch", "toggle_device", "pick_devices",
-    "restart", "toggle_log", "help", "quit_app", "toggle_balance", "ask_weights",
+    "restart", "toggle_log", "help", "quit_app", "toggle_balance", "ask_weights", "toggle_timeline",
+    "toggle_log_scale",
 }
 
 # Actions that change a live run.
@@ -72,11 +74,13 @@ class DptuiApp(App[None]):
         Binding("b", "ask_batch", "Batch", tooltip="Type an exact global batch size"),
         Binding("1", "toggle_device(0)", "Device", key_display="1-9", tooltip="Take device N in or out of the run"),
         *(Binding(str(n), f"toggle_device({n - 1})", show=False) for n in range(2, 10)),
-        Binding("d", "pick_devices", "Pick", tooltip="Pick the devices from a list"),
         # Not in the Footer, which has no room left at 80 columns; `?` lists them.
+        Binding("d", "pick_devices", "Pick", show=False, tooltip="Pick the devices from a list"),
         Binding("a", "toggle_balance", "Auto", show=False, tooltip="Auto-balance the split on or off"),
         Binding("w", "ask_weights", "Weights", show=False, tooltip="Type one split weight per device"),
         Binding("r", "restart", "Restart", tooltip="Restart the run from fresh weights"),
+        Binding("t", "toggle_timeline", "Phases", tooltip="The last step's timeline, or the device panels"),
+        Binding("y", "toggle_log_scale", "Log y", show=False, tooltip="The loss chart on a log scale, or linear"),
         Binding("l", "toggle_log", "Log", tooltip="Show or hide the log"),
         Binding("question_mark", "help", "Help", key_display="?", tooltip="This help"),
         Binding("q", "quit_app", "Quit", tooltip="Stop at the next step boundary and quit"),
@@ -101,13 +105,16 @@ class DptuiApp(App[None]):
         self._sigterm_before: object = None  # the SIGTERM handler before the app's own (on_mount)
         self.status = StatusBar(id="status")
         self.devices = DeviceGrid(id="devices")
+        self.timeline = StepTimeline(id="timeline")  # in the panels' place while shown (key t)
+        self.timeline.display = False
         self.loss_chart = HistoryChart("loss", id="loss")
-        self.throughput_chart = HistoryChart("samples/s", id="throughput")
+        self.throughput_chart = HistoryChart("samples/s", id="throughput", number=fmt.rate)
         self.log_view = RunLog(id="log", max_lines=2000, min_width=20, wrap=True, markup=False)
 
     def compose(self) -> ComposeResult:
         yield self.status
         yield self.devices
+        yield self.timeline
         with Horizontal(id="history"):
             yield self.loss_chart
             yield self.throughput_chart
@@ -200,8 +207,10 @@ class DptuiApp(App[None]):
             self.devices.show_ranks(snap.ranks)  # a DDP run's: in the device panels' place
             self.status.show(snap)
             self.devices.show(snap.panels)
-            self.loss_chart.show(fmt.loss(snap.loss), snap.loss_history)
-            self.throughput_chart.show(fmt.rate(snap.samples_per_s), snap.throughput_history)
+            self.loss_chart.show(fmt.loss(snap.loss), snap.loss_history, snap.step)
+            self.throughput_chart.show(fmt.rate(snap.samples_per_s), snap.throughput_history, snap.step)
+            if self.timeline.display:
+                self.timeline.show(snap.timeline)
         for notice in snap.notices:
             self.notify(notice.message, title=notice.title, severity=notice.severity, timeout=8)
 
@@ -295,6 +304,16 @@ class DptuiApp(App[None]):
     def action_toggle_log(self) -> None:
         self.log_view.display = not self.log_view.display
         self.screen.set_class(not self.log_view.display, "-log-hidden")
+
+    def action_toggle_timeline(self) -> None:
+        shown = not self.timeline.display
+        self.timeline.display, self.devices.display = shown, not shown
+        if shown:
+            self._shown_version = -1  # draw the step now, not at the next one
+            self._refresh_widgets()
+
+    def action_toggle_log_scale(self) -> None:
+        self.loss_chart.log_scale = not self.loss_chart.log_scale
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen(list(self.BINDINGS)))

@@ -36,6 +36,7 @@ from dpengine.records import ReplicaRecord
 from dpengine.telemetry.sample import DeviceSample
 
 from . import event_text as text
+from .step_times import RankSteps, ShownStep
 from .ranks import RankBoard, RankView, cleared_line, ended_line, joined_line, straggler_line
 
 EMA_ALPHA = 0.2
@@ -116,6 +117,7 @@ class Snapshot:
     replica_ms: float | None = None  # the last step's slowest replica, forward + backward
     even_ms: float | None = None  # the same as predicted for an even split (auto-balance only)
     even_ms_unsure: bool = False  # that prediction is a guess: the per-row model fits badly
+    timeline: ShownStep | None = None  # the step the timeline (key t) shows: the last one
 
 
 @dataclass(slots=True)
@@ -166,6 +168,7 @@ class RunView:
         self._last_logged: float | None = None
         self._last_epoch_logged: float | None = None
         self._failed_device: str | None = None
+        self._rank_steps = RankSteps()  # DDP ranks' last steps, for the timeline
 
     # -- fed by the trainer's threads -------------------------------------------------
 
@@ -174,6 +177,7 @@ class RunView:
         with self._lock:
             self._version += 1
             self._handle(event)
+            self._rank_steps.feed(event)
 
     def _handle(self, event: Event) -> None:
         """One event, with the lock held. A view of another kind of run (`dptui run`'s) handles
@@ -426,6 +430,7 @@ class RunView:
                 replica_ms=_slowest_replica_ms(step),
                 even_ms=step.record.even_ms if step else None,
                 even_ms_unsure=step is not None and step.record.even_ms_unsure,
+                timeline=self._rank_steps.latest() or (ShownStep(step.step, record=step.record) if step else None),
             )
 
     def _shown_state(self) -> str:

@@ -36,6 +36,7 @@ def _stay_with_dptui() -> None:
 
 
 def _connect() -> None:
+    from ..cuda_memory import keep_users_view
     from . import unrecorded, wire
     from .link import ParentLink
     from .spawned_rank import carry_into_spawned_children
@@ -50,7 +51,9 @@ def _connect() -> None:
     unrecorded.watch(link)
     carry_into_spawned_children()  # ranks the script spawns itself are watched as DDP ranks
     install(link)
-    atexit.register(link.flush)
+    # The steps reset the CUDA allocator's peak; the script's own max_memory_allocated() must not see it.
+    keep_users_view()
+    atexit.register(link.flush)  # last: after the steps' own flush (registered at the first step)
     atexit.register(release_steps)  # first (atexit runs last in first): the held steps, then the flush
 
 

@@ -113,26 +113,37 @@ class RankHub:
         if self._server is not None:
             self._server.close()
 
+    @property
+    def joined(self) -> bool:
+        """Whether any rank has connected."""
+        return bool(self.gen.joined)
+
     def wait_for_nodes(self, seconds: float = NODES_WAIT_S) -> None:
         """Node 0: the other nodes' dptui send their ranks' ends once their torchrun has ended."""
+        self._wait_closed(lambda conn: conn.is_node, seconds)
+
+    def wait_for_ranks(self, seconds: float) -> None:
+        """The launcher has ended: its ranks' last lines and ends, for at most `seconds`."""
+        self._wait_closed(lambda conn: not conn.is_node, seconds)
+
+    def _wait_closed(self, which: Callable[[Connection], bool], seconds: float) -> None:
         deadline = time.monotonic() + seconds
         while self._server is not None and time.monotonic() < deadline:
-            if not any(conn.is_node for conn in self._server.connections()):
+            if not any(which(conn) for conn in self._server.connections()):
                 return
-            time.sleep(0.05)
+            time.sleep(0.02)
 
     # -- pause and resume, in lockstep ----------------------------------------------------
 
-    def pause(self, request: int | None = None) -> int:
-        """Every rank pauses before the same step: the newest any reported, plus PAUSE_AHEAD.
-        `request`: the number the state events answer with, when the caller numbers its requests."""
+    def pause(self) -> int:
+        """Every rank pauses before the same step: the newest any reported, plus PAUSE_AHEAD."""
         with self.lock:
             step = max(self.gen.last_step.values(), default=-1) + PAUSE_AHEAD
-            return self._send({"op": "pause", "step": step}, request)
+            return self._send({"op": "pause", "step": step})
 
-    def resume(self, request: int | None = None) -> int:
+    def resume(self) -> int:
         with self.lock:
-            return self._send({"op": "resume"}, request)
+            return self._send({"op": "resume"})
 
     def pause_deadline(self) -> float | None:
         """While paused: when (time.monotonic()) the ranks' collectives would time out and fail the run."""
@@ -141,24 +152,11 @@ class RankHub:
                 return None
             return self._paused_at + self._timeout(self.gen).total_seconds()
 
-    def _send(self, message: dict[str, Any], request: int | None = None) -> int:
+    def _send(self, message: dict[str, Any]) -> int:
         if self._server is None or not self._server.send_all(message):
             raise ValueError("No rank is connected.")
-        self._requests = self._requests + 1 if request is None else request
+        self._requests += 1
         return self._requests
-
-    @property
-    def ranks_joined(self) -> bool:
-        return bool(self.gen.joined)
-
-    def wait_closed(self, seconds: float) -> None:
-        """The launching script has ended: its ranks' last lines and ends have this long to arrive."""
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            with self.lock:
-                if set(self.gen.joined) <= self.gen.ended:
-                    return
-            time.sleep(0.02)
 
     @staticmethod
     def _timeout(gen: Generation) -> timedelta:
@@ -361,14 +359,18 @@ class RankHub:
 
     # -- the end ----------------------------------------------------------------------------
 
-    def finish(self, record: FailureRecord, stopped_by: int | None, launcher_code: int) -> ExitStatus:
-        """The launcher has ended: every rank's end said, and dptui's exit status, with what to say."""
+    def finish(self, record: FailureRecord, stopped_by: int | None, launcher_code: int,
+               unsaid: int | None = None) -> ExitStatus:
+        """The launcher has ended: every rank's end said, and dptui's exit status, with what to say.
+        `unsaid`: the status of a rank that neither said how it ended nor is in `record` (None: torchrun
+        lists every failed rank, so it exited 0; a script's own spawn says nothing of them)."""
         with self.lock:
             gen = self.gen
             if not gen.started and gen.joined:
                 self._start_generation(gen)  # a rank never said hello: show those that did
             for rank in sorted(set(gen.joined) | {f.rank for f in record.failures}):
-                self._rank_ended(gen, rank, record.exit_code_of(rank))
+                recorded = record.exit_code_of(rank)
+                self._rank_ended(gen, rank, unsaid if recorded is None else recorded)
             status = exit_status(gen, record, stopped_by, launcher_code)
             for note in status.notes:
                 self.notice(note)

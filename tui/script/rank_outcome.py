@@ -56,8 +56,11 @@ def rank_end(gen: Generation, rank: int, recorded: int | None) -> RankEnded | No
         code = recorded if recorded not in (None, 0) else 1
     else:
         code = recorded if recorded is not None else 0
+    error = str(failed.get("error") or "")
+    if not error and code != 0 and rank not in gen.finished:
+        error = "ended before its script finished"
     return RankEnded(rank=rank, exit_code=code, script_finished=rank in gen.finished, host=gen.host_of(rank),
-                     error=str(failed.get("error") or ""), traceback=str(failed.get("traceback") or ""))
+                     error=error, traceback=str(failed.get("traceback") or ""))
 
 
 @dataclass(frozen=True)
@@ -79,13 +82,16 @@ def exit_status(gen: Generation, record: FailureRecord, stopped_by: int | None, 
     world = gen.world_size or len(gen.joined)
     if world and len(gen.finished) >= world and all(c == 0 for c in gen.finished.values()):
         return ExitStatus(0, notes=notes)
+    # A rank whose script raised is the cause, even when torchrun saw a peer die first: a gloo rank
+    # whose peer is gone may abort (SIGABRT) in its collective before the raiser's exit.
+    for rank in sorted(gen.failed):
+        recorded = record.exit_code_of(rank) or gen.remote_codes.get(rank)
+        return ExitStatus(shell_status(recorded) if recorded else 1, signal_name(recorded or 0), rank, notes)
     for failure in record.failures:  # the first observed failure first
         if gen.finished.get(failure.rank) == 0:
             continue  # a teardown abort, noted
         code = gen.finished.get(failure.rank, failure.exit_code)
         return ExitStatus(shell_status(code), signal_name(code), failure.rank, notes)
-    for rank in sorted(gen.failed):
-        return ExitStatus(gen.remote_codes.get(rank) or 1, None, rank, notes)
     for rank, code in sorted(gen.remote_codes.items()):  # another node's rank, ended by a signal
         if code != 0 and gen.finished.get(rank) != 0:
             return ExitStatus(shell_status(code), signal_name(code), rank, notes)

@@ -108,7 +108,7 @@ class ScriptRun(Publisher):
         self._last_loss: float | None = None
         self._requests = 0  # numbered as a Trainer numbers them; the child's events carry them back
         self.exit_code: int | None = None
-        self._ranks = RankHub(target.label, self._publish)  # DDP ranks the script spawns itself
+        self._ranks = RankHub(target.label, self._publish)  # DDP ranks the script spawns itself (rank_hub.py)
 
     # -- what the UI drives -----------------------------------------------------------
 
@@ -134,9 +134,10 @@ class ScriptRun(Publisher):
             self._signal_group(signal.SIGKILL)  # whatever it left behind: no orphans
             for reader in readers:
                 reader.join(timeout=5)
-            if self._ranks.ranks_joined:
-                self._ranks.wait_closed(5.0)
-                self._ranks.finish(FailureRecord(), None, code)  # every rank's end said
+            self._ranks.wait_for_ranks(5.0)
+            self._ranks.end_leftovers()
+            if self._ranks.joined:  # each spawned rank's end; the script's own status is dptui's
+                self._ranks.finish(FailureRecord(), None, code, unsaid=-signal.SIGTERM)  # as spawn ends the others
             if poller is not None:
                 poller.stop()
                 poller.source.close()
@@ -174,16 +175,18 @@ class ScriptRun(Publisher):
         self._signal_group(signal.SIGKILL)
 
     def pause(self) -> int:
-        request = self._send({"op": "pause"})
-        if self._ranks.ranks_joined:  # the DDP ranks it spawned
-            self._ranks.pause(request)
-        return request
+        if self._ranks.joined:  # DDP ranks the script spawned: every rank, before the same step
+            return self._ranks.pause()
+        return self._send({"op": "pause"})
 
     def resume(self) -> int:
-        request = self._send({"op": "resume"})
-        if self._ranks.ranks_joined:
-            self._ranks.resume(request)
-        return request
+        if self._ranks.joined:
+            return self._ranks.resume()
+        return self._send({"op": "resume"})
+
+    def pause_deadline(self) -> float | None:
+        """While spawned DDP ranks are paused: when their collectives would time out (rank_hub.py)."""
+        return self._ranks.pause_deadline()
 
     def show_next_instance(self) -> str:
         """Let the panels follow the next DataParallel the script built, from its next step."""
@@ -355,7 +358,7 @@ class ScriptRun(Publisher):
         seconds = time.monotonic() - self._started_at
         gpus = sum(d.startswith("cuda:") for d in self._available)
         completed = code == 0 and not self._stopping
-        if self._seen or not self._ranks.ranks_joined:  # ranks it spawned were watched: no "built no DataParallel"
+        if self._seen or not self._ranks.joined:  # ranks it spawned were watched: no "built no DataParallel"
             for text in end_notices(list(self._seen), self._stepped, self._used, gpus, completed):
                 self._publish(ScriptNotice(text))
         self._publish(ScriptExited(code, signame))

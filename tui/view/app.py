@@ -33,6 +33,8 @@ class ViewerApp(DptuiApp):
         Binding("right", "step(1)", "Next", key_display="→", priority=True, tooltip="The step after"),
         Binding("home", "first", "First", priority=True, tooltip="The first recorded step"),
         Binding("end", "last", "Last", priority=True, tooltip="The last step, following new ones"),
+        Binding("t", "toggle_timeline", "Timeline", tooltip="The shown step's timeline, or the device panels"),
+        Binding("y", "toggle_log_scale", "Log y", show=False, tooltip="The loss chart on a log scale, or linear"),
         Binding("l", "toggle_log", "Log", tooltip="Show or hide the log"),
         Binding("question_mark", "help", "Help", key_display="?", tooltip="This help"),
         Binding("q", "quit_app", "Quit", tooltip="Quit"),

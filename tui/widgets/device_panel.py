@@ -95,10 +95,13 @@ def body_lines(view: DeviceView, width: int) -> list[Text]:
 
 
 def steps_line(view: DeviceView, width: int, style: Style | str = "") -> Text:
-    """The replica's recent step times (forward + backward) as a sparkline."""
-    room = max(width - LABEL_WIDTH - 1, 0)
-    bars = spark_rows(view.step_ms, room)[0] if view.step_ms else ""
-    return _line("step", Text(bars, style=style))
+    """The replica's recent step times (forward + backward) as a sparkline, then its scale: the
+    highest bar's time (the sparkline's bars are scaled from its lowest to its highest)."""
+    if not view.step_ms:
+        return _line("step")
+    peak = f" {fmt.ms(max(view.step_ms))} ms"
+    room = max(width - LABEL_WIDTH - 1 - len(peak), 0)
+    return _line("step", Text(spark_rows(view.step_ms, room)[0], style=style), (peak, "dim"))
 
 
 class DevicePanel(TextLines):

@@ -1,0 +1,64 @@
+"""Write docs/screenshot-timeline.svg (the README's timeline picture): key t over a short real run.
+
+The mlp workload on three virtual CPU devices with split weights 1,1,2, so cpu:2 gets half of
+each batch and the other two wait for it; seed 0, paused after step 40. Timings are this
+machine's.
+
+    .venv/bin/python scripts/screenshot_timeline.py [OUTPUT.svg]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+
+from dpengine.eventlog.events import StepFinished  # noqa: E402
+from dpengine.run.options import RunOptions  # noqa: E402
+from dpengine.run.trainer import Trainer  # noqa: E402
+from dpengine.run.workloads import builtin_workload  # noqa: E402
+from scripts.screenshot import wait_for  # noqa: E402
+from tui.app import DptuiApp  # noqa: E402
+
+PAUSE_AFTER_STEP = 40
+SIZE = (100, 30)
+
+
+def make_trainer() -> Trainer:
+    options = RunOptions(epochs=None, seed=0, balance=(1.0, 1.0, 2.0))
+    trainer = Trainer(builtin_workload("mlp", seed=0), ["cpu:0", "cpu:1", "cpu:2"], options)
+
+    def pause(event) -> None:
+        if isinstance(event, StepFinished) and event.step == PAUSE_AFTER_STEP:
+            trainer.pause()  # takes effect at the next step boundary: a fixed step count
+
+    trainer.subscribe(pause)
+    return trainer
+
+
+async def shoot(output: Path) -> None:
+    app = DptuiApp(make_trainer)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(lambda: app.session.view.state == "paused", timeout=60)
+        await pilot.press("t")
+        app.refresh_view()
+        await pilot.pause()
+        app.log_view.scroll_end(animate=False, immediate=True)
+        await pilot.pause()
+        output.parent.mkdir(parents=True, exist_ok=True)
+        app.save_screenshot(filename=output.name, path=str(output.parent))
+        await pilot.press("q")
+
+
+def main() -> int:
+    output = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "docs" / "screenshot-timeline.svg"
+    asyncio.run(shoot(output))
+    print(output)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""The step timeline's layout (tui.timeline_layout) and its drawing into lines, without an app."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from timeline_fixtures import balanced_step, ddp_ranks, unbalanced_step
+
+from dpengine.eventlog.events import RankJoined
+from tui.step_times import RankSteps
+from tui.timeline_layout import ddp_timeline, dp_timeline
+from tui.widgets.step_timeline import axis_line, bar_line, detail_line
+
+
+def spans(timeline, row):
+    return {s.kind: s for s in timeline.rows[row].spans}
+
+
+def test_fast_replicas_wait_for_the_slowest_before_the_gather():
+    timeline = dp_timeline(7, unbalanced_step())
+    assert timeline.title == "timeline · step 7" and not timeline.approximate
+    assert [r.name for r in timeline.rows] == ["cpu:0", "cpu:1", "cpu:2"]
+    fast = timeline.rows[0].spans
+    assert [s.kind for s in fast] == ["scatter", "replicate", "forward", "wait", "gather", "backward", "wait"]
+    waits = [s for s in fast if s.kind == "wait"]
+    assert waits[0].label == "waits 9.8 ms for cpu:2"
+    assert (waits[0].start_ms, waits[0].end_ms) == pytest.approx((9.7, 19.5))  # forward's end to the gather
+    assert waits[1].label == "waits 6.5 ms for cpu:2"  # its backward ended before cpu:2's
+    slow = spans(timeline, 2)
+    assert "wait" not in slow  # nobody to wait for
+    assert slow["forward"].start_ms == 1.8 and slow["gather"].start_ms == 19.5
+    assert slow["backward"].label == "backward 12.5 ms"
+    assert timeline.span_ms == pytest.approx(33.7)  # cpu:2's backward ends last
+
+
+def test_a_balanced_step_has_no_waits():
+    timeline = dp_timeline(1, balanced_step())
+    assert all(s.kind != "wait" for row in timeline.rows for s in row.spans)
+    assert not timeline.approximate
+
+
+def test_without_start_times_phases_are_laid_end_to_end_and_called_approximate():
+    record = unbalanced_step()
+    old = dataclasses.replace(
+        record, replicas=tuple(dataclasses.replace(r, forward_start_ms=None, backward_start_ms=None)
+                               for r in record.replicas),
+        scatter_start_ms=None, replicate_start_ms=None, apply_start_ms=None, gather_start_ms=None,
+        backward_start_ms=None)
+    timeline = dp_timeline(1, old)
+    assert timeline.approximate
+    fast = spans(timeline, 0)
+    assert fast["replicate"].start_ms == pytest.approx(0.4)
+    assert fast["forward"].start_ms == pytest.approx(1.6)  # every replica from the apply's start
+    assert fast["gather"].start_ms == pytest.approx(19.4)  # the apply's end: the slowest forward's
+    waits = [s.label for s in timeline.rows[0].spans if s.kind == "wait"]
+    assert waits == ["waits 9.8 ms for cpu:2", "waits 6.5 ms for cpu:2"]  # 19.4 - (1.6 + 8.0); then 12.5 - 6.0
+    assert fast["backward"].start_ms == pytest.approx(20.2)  # after the whole forward
+    # One missing start is enough to say so.
+    assert dp_timeline(1, dataclasses.replace(record, gather_start_ms=None)).approximate
+
+
+def test_a_replica_without_backward_yet_has_no_backward_bar():
+    record = balanced_step()
+    record = dataclasses.replace(record, backward_ms=None, backward_start_ms=None, replicas=tuple(
+        dataclasses.replace(r, backward_ms=None, backward_start_ms=None) for r in record.replicas))
+    timeline = dp_timeline(1, record)
+    assert all(s.kind != "backward" for row in timeline.rows for s in row.spans)
+    assert timeline.span_ms == pytest.approx(12.5)
+
+
+def test_ranks_line_up_on_their_first_collective_and_the_fast_one_waits_for_the_slow():
+    timeline = ddp_timeline(ddp_ranks(5))
+    assert timeline.title == "timeline · step 5" and not timeline.approximate
+    assert [r.name for r in timeline.rows] == ["rank 0", "rank 1"]
+    fast, slow = spans(timeline, 0), spans(timeline, 1)
+    assert [s.kind for s in timeline.rows[0].spans] == ["data", "forward", "backward", "comm_wait", "optimizer",
+                                                         "other"]
+    # Rank 1's clock is 1 ms later (its first collective at 13.5, rank 0's at 12.5): rank 0 moves 1 ms on.
+    assert fast["data"].start_ms == pytest.approx(1.0) and slow["data"].start_ms == pytest.approx(1.0)
+    assert fast["comm_wait"].label == "waits 9.8 ms for rank 1"
+    assert slow["comm_wait"].label == "comm_wait 0.200 ms"  # the slowest waits for nobody
+    # Both optimizers start together, after the all-reduce.
+    assert fast["optimizer"].start_ms == pytest.approx(slow["optimizer"].start_ms)
+
+
+def test_ranks_without_start_times_are_end_to_end_from_their_own_start():
+    timeline = ddp_timeline(ddp_ranks(5, offsets=False))
+    assert timeline.approximate
+    fast = spans(timeline, 0)
+    assert fast["data"].start_ms == 0.0 and fast["forward"].start_ms == 2.0
+    assert fast["comm_wait"].start_ms == pytest.approx(27.0)
+
+
+def test_rank_steps_show_the_newest_step_every_rank_reported():
+    steps = RankSteps()
+    steps.feed(RankJoined(rank=0, local_rank=0, world_size=2, host="h", pid=1, device="cpu"))
+    first, second = ddp_ranks(3)
+    steps.feed(first)
+    assert steps.latest().step == 3  # nothing complete yet: the newest there is
+    steps.feed(second)
+    steps.feed(ddp_ranks(4)[0])  # rank 0 ahead by a step
+    shown = steps.latest()
+    assert shown.step == 3 and [r.rank for r in shown.ranks] == [0, 1]
+    steps.feed(ddp_ranks(4)[1])
+    assert steps.latest().step == 4
+    # A restarted generation counts from 0 again.
+    steps.feed(RankJoined(rank=0, local_rank=0, world_size=2, host="h", pid=2, device="cpu", restart=1))
+    assert steps.latest() is None
+
+
+def test_bars_carry_the_labels_that_fit_and_the_detail_line_says_the_waits():
+    timeline = dp_timeline(1, unbalanced_step())
+    wide = bar_line(timeline, 0, 7, 150).plain
+    assert wide.startswith("cpu:0  ") and len(wide) == 157
+    assert "forward 8.0 ms" in wide and "waits 9.8 ms for cpu:2" in wide
+    narrow = bar_line(timeline, 0, 7, 30).plain
+    assert "fwd" in narrow and "forward" not in narrow and "waits" not in narrow  # the short labels
+    detail = detail_line(timeline, 0, 7).plain
+    assert detail.strip() == "fwd 8.0 · waits 9.8 ms for cpu:2 · bwd 6.0 · waits 6.5 ms for cpu:2"
+
+
+def test_the_axis_numbers_sit_at_their_ticks():
+    line = axis_line(40.0, 4, 80).plain
+    assert line.startswith("ms  0")
+    numbers = line[4:].split()
+    assert numbers == ["0", "5", "10", "15", "20", "25", "30", "35", "40"]
+    assert line[4:].index("20") == 40  # half way along
+    assert line.endswith("40")  # the last number ends at the edge

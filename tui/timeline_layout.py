@@ -1,0 +1,181 @@
+"""One step as rows of spans on a shared ms axis: what the timeline draws, without Textual.
+
+A DataParallel step gives a row per replica: the engine's scatter and replicate (shared by
+every replica), the replica's forward, its wait for the slowest replica before the gather,
+the gather, and its backward (then its wait for the slowest backward). A DDP step gives a
+row per rank: data, forward, backward, comm_wait, optimizer and other; a fast rank's
+comm_wait is its wait in the all-reduce for the slowest rank (the largest own time, step
+minus comm_wait: the largest backward would blame the wrong rank).
+
+Phases start where the record says (`<phase>_start_ms`, from the step's start). Where a
+record has no start (older logs), the phases are laid end to end and the timeline says it
+is approximate. Ranks' offsets are from their own step start; where every rank gives its
+first collective's start, the rows are shifted so that those line up (the clocks of the
+ranks' processes differ: the first collective is the one moment they share).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dpengine.eventlog.events import RankStepFinished
+from dpengine.records import StepRecord
+
+from . import format as fmt
+
+RANK_PHASES = ("data", "forward", "backward", "comm_wait", "optimizer", "other")
+SHARED = frozenset({"scatter", "replicate", "gather"})  # the engine's: drawn on every replica's row
+WAITS = frozenset({"wait", "comm_wait"})
+# A wait shorter than this share of the step is the engine's hand-off, not imbalance.
+MIN_WAIT_FRACTION = 0.02
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    kind: str  # a phase's name, or "wait"
+    start_ms: float  # on the timeline's axis
+    duration_ms: float
+    label: str  # "forward 25.6 ms", "waits 9.8 ms for cpu:2"
+    short: str = ""  # what fits in a narrow bar: "fwd", "wait"
+
+    @property
+    def end_ms(self) -> float:
+        return self.start_ms + self.duration_ms
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    name: str  # "cpu:0", "rank 1"
+    spans: tuple[Span, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Timeline:
+    step: int
+    rows: tuple[Row, ...]
+    span_ms: float  # the axis runs from 0 to this
+    approximate: bool  # some phase had no start time: laid end to end
+
+    @property
+    def title(self) -> str:
+        return f"timeline · step {self.step}"
+
+
+def duration_text(value: float) -> str:
+    """9.8, 0.103: a tenth of a ms is enough above one, three figures below it."""
+    return f"{value:.1f}" if value >= 1 else fmt.ms(value)
+
+
+def _ms(value: float) -> str:
+    return f"{duration_text(value)} ms"
+
+
+def _phase(kind: str, start: float, duration: float, short: str | None = None) -> Span:
+    return Span(kind, start, duration, f"{kind} {_ms(duration)}", short or kind)
+
+
+def _wait(start: float, duration: float, whom: str) -> Span:
+    return Span("wait", start, duration, f"waits {_ms(duration)} for {whom}", "wait")
+
+
+def _span_of(rows: Sequence[Row], at_least: float) -> float:
+    return max([at_least, *(s.end_ms for r in rows for s in r.spans)])
+
+
+# -- DataParallel -----------------------------------------------------------------------------
+
+
+def dp_timeline(step: int, record: StepRecord) -> Timeline:
+    """The rows of one DataParallel step; `step` is the run's step number (the title's)."""
+    exact = True
+
+    def start(recorded: float | None, otherwise: float) -> float:
+        nonlocal exact
+        if recorded is None:
+            exact = False
+            return otherwise
+        return recorded
+
+    scatter = start(record.scatter_start_ms, 0.0)
+    replicate = start(record.replicate_start_ms, scatter + record.scatter_ms)
+    apply = start(record.apply_start_ms, replicate + record.replicate_ms)
+    forwards = {r.index: start(r.forward_start_ms, apply) for r in record.replicas}
+    forward_ends = {r.index: forwards[r.index] + r.forward_ms for r in record.replicas}
+    gather = start(record.gather_start_ms, max([apply + record.apply_ms, *forward_ends.values()]))
+    gather_end = gather + record.gather_ms
+    backward = start(record.backward_start_ms, max(record.total_ms, gather_end)) \
+        if record.backward_ms is not None or any(r.backward_ms is not None for r in record.replicas) else None
+    backwards = {
+        r.index: start(r.backward_start_ms, backward if backward is not None else gather_end)
+        for r in record.replicas if r.backward_ms is not None
+    }
+    backward_ends = {r.index: backwards[r.index] + r.backward_ms for r in record.replicas
+                     if r.backward_ms is not None}
+    span = max([record.total_ms, gather_end, *backward_ends.values()])
+    min_wait = MIN_WAIT_FRACTION * span
+    slowest_forward = max(forward_ends, key=forward_ends.__getitem__, default=None)
+    slowest_backward = max(backward_ends, key=backward_ends.__getitem__, default=None)
+    devices = {r.index: r.device for r in record.replicas}
+
+    rows = []
+    for replica in record.replicas:
+        i = replica.index
+        spans = [
+            _phase("scatter", scatter, record.scatter_ms),
+            _phase("replicate", replicate, record.replicate_ms, "repl"),
+            _phase("forward", forwards[i], replica.forward_ms, "fwd"),
+        ]
+        waited = gather - forward_ends[i]
+        if i != slowest_forward and waited >= min_wait:
+            spans.append(_wait(forward_ends[i], waited, devices[slowest_forward]))
+        spans.append(_phase("gather", gather, record.gather_ms))
+        if i in backwards:
+            spans.append(_phase("backward", backwards[i], replica.backward_ms, "bwd"))
+            waited = backward_ends[slowest_backward] - backward_ends[i]
+            if i != slowest_backward and waited >= min_wait:
+                spans.append(_wait(backward_ends[i], waited, devices[slowest_backward]))
+        rows.append(Row(replica.device, tuple(spans)))
+    return Timeline(step, tuple(rows), _span_of(rows, span), not exact)
+
+
+# -- DDP ranks --------------------------------------------------------------------------------
+
+
+def _own_ms(rank: RankStepFinished) -> float:
+    return rank.total_ms - rank.comm_wait_ms
+
+
+def ddp_timeline(ranks: Sequence[RankStepFinished]) -> Timeline:
+    """The rows of one DDP step, a row per rank (`ranks`: that step's events, any order)."""
+    ranks = sorted(ranks, key=lambda r: r.rank)
+    exact = True
+    collectives = [r.first_collective_ms for r in ranks]
+    aligned = all(c is not None for c in collectives)
+    reference = max(collectives) if aligned and collectives else 0.0
+    slowest = max(ranks, key=_own_ms).rank if ranks else None
+
+    rows = []
+    for rank in ranks:
+        shift = reference - rank.first_collective_ms if aligned else 0.0
+        at = 0.0
+        spans = []
+        for phase in RANK_PHASES:
+            duration = getattr(rank, f"{phase}_ms")
+            offset = getattr(rank, f"{phase}_start_ms")
+            if offset is None:
+                exact = False
+                offset = at
+            at = max(at, offset + duration)
+            if duration <= 0:
+                continue
+            if phase == "comm_wait" and rank.rank != slowest and slowest is not None:
+                spans.append(Span("comm_wait", shift + offset, duration,
+                                  f"waits {_ms(duration)} for rank {slowest}", "wait"))
+            else:
+                spans.append(_phase(phase, shift + offset, duration,
+                                    {"forward": "fwd", "backward": "bwd", "optimizer": "opt",
+                                     "comm_wait": "comm"}.get(phase)))
+        rows.append(Row(f"rank {rank.rank}", tuple(spans)))
+    step = ranks[0].step if ranks else 0
+    return Timeline(step, tuple(rows), _span_of(rows, 0.0), not exact)
