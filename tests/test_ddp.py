@@ -20,6 +20,7 @@ import psutil
 import pytest
 import torch
 from fixtures.ddp_workloads import SLOW_STEP_S
+from fixtures.slow_device import SLOW_RANK_FORWARD_MS
 
 from dpengine.distributed import DdpTrainer, WorkloadSpec
 from dpengine.distributed.channel import is_comm_error
@@ -27,10 +28,13 @@ from dpengine.distributed.host_inbox import LIVENESS_S
 from dpengine.distributed.torchrun import rank_device_kind, torchrun_env
 from dpengine.eventlog.events import (
     ConfigChanged,
+    RankJoined,
+    RankStepFinished,
     RunFailed,
     RunFinished,
     StateChanged,
     StepFinished,
+    StragglerFound,
 )
 from dpengine.eventlog.writer import JsonLinesWriter
 from dpengine.run.options import RunOptions
@@ -504,3 +508,41 @@ def test_a_non_finite_loss_fails_the_ddp_run_naming_the_step():
     assert isinstance(result, RunFailed)
     assert result.error_type == "NonFiniteLoss"
     assert "the loss is nan at step 3" in result.error
+
+
+# -- per-rank phases and the straggler verdict ------------------------------------------------
+
+
+def test_every_rank_steps_phases_and_a_rank_slow_in_forward_is_named():
+    # 600 rows / 60 a batch * 3 epochs = 30 steps: 2 of warm-up, then the verdict's 20.
+    trainer = _ddp(f"{FIXTURES / 'slow_device.py'}:slow_rank_1_workload", epochs=3)
+    events: list = []
+    trainer.subscribe(events.append)
+    assert isinstance(trainer.run(), RunFinished)
+
+    joined = [e for e in events if isinstance(e, RankJoined)]
+    assert sorted(e.rank for e in joined) == [0, 1]
+    assert all(e.world_size == 2 and e.device == "cpu" and e.pid != os.getpid() for e in joined)
+    assert joined[0].pid != joined[1].pid
+
+    steps = [e for e in events if isinstance(e, RankStepFinished)]
+    for rank in (0, 1):
+        assert [s.step for s in steps if s.rank == rank] == list(range(30))
+    for s in steps:
+        phases = s.data_ms + s.forward_ms + s.backward_ms + s.comm_wait_ms + s.optimizer_ms + s.other_ms
+        assert phases == pytest.approx(s.total_ms, abs=1e-3)
+        assert s.samples == 30 and s.micro_batches == 1 and s.loss is not None
+    # Each rank's steps come before the StepFinished of the same step.
+    kinds = [type(e) for e in events if isinstance(e, (RankStepFinished, StepFinished))]
+    assert kinds[:3] == [RankStepFinished, RankStepFinished, StepFinished]
+
+    def mean(rank, phase):
+        values = [getattr(s, f"{phase}_ms") for s in steps if s.rank == rank and s.step >= 2]
+        return sum(values) / len(values)
+
+    assert mean(1, "forward") - mean(0, "forward") > SLOW_RANK_FORWARD_MS * 0.8
+    assert mean(0, "comm_wait") > SLOW_RANK_FORWARD_MS * 0.5  # rank 0 waits for rank 1 in the all-reduce
+
+    verdicts = [e for e in events if isinstance(e, StragglerFound)]
+    assert verdicts, "no straggler verdict"
+    assert (verdicts[0].rank, verdicts[0].phase) == (1, "forward")

@@ -3,8 +3,9 @@
 `run()` runs in the caller's thread, on the host side of the run: it starts the ranks
 (`SpawnedGroup` on one machine; under torchrun rank 0's loop runs in a thread of this
 process), publishes what rank 0 sends (steps with one `ReplicaRecord` per rank, epochs,
-telemetry, state and config changes), and forwards steering to rank 0, which applies it at
-the next step boundary in every rank (rank0_steering.py). A device change ends the ranks at a
+telemetry, state and config changes, every rank's phases, which feed the straggler verdict),
+and forwards steering to rank 0, which applies it at the next step boundary in every rank
+(rank0_steering.py). A device change ends the ranks at a
 boundary, after rank 0 saved the model, the optimizer and the run's counters; the next
 generation of ranks, one per new device, loads them and goes on in the same epoch at the same
 position.
@@ -32,6 +33,8 @@ from ..devices import DeviceLike, available_devices, device_name, resolve_device
 from ..eventlog.events import (
     ConfigChanged,
     Event,
+    RankJoined,
+    RankStepFinished,
     RunConfig,
     RunFailed,
     RunFinished,
@@ -41,15 +44,16 @@ from ..eventlog.events import (
     TelemetrySampled,
 )
 from ..run.failures import run_failed
+from ..run.options import RunOptions, check_batch_size
 from ..run.pending import Change
 from ..run.protocol import ALL_CONTROLS, DEVICES, ControlUnsupported
-from ..run.options import RunOptions, check_batch_size
 from ..run.trainer_base import TrainerBase
 from ..telemetry import TelemetryPoller, TelemetrySource
 from .config import RankConfig, WorkloadSpec
 from .host_inbox import LIVENESS_S, RankInbox
 from .launcher import SpawnedGroup, TorchrunGroup, threads_per_rank
 from .messages import Finished, Forward, Published, Ready, Restart, Steer
+from .straggler import StragglerWatch
 from .torchrun import rank_device_kind, torchrun_env, torchrun_session
 
 
@@ -93,6 +97,7 @@ class DdpTrainer(TrainerBase):
         self._rank0: Connection | None = None
         self._group: SpawnedGroup | TorchrunGroup | None = None
         self._store: dist.TCPStore | None = None
+        self._straggler: StragglerWatch | None = None
 
     def _rank_devices(self, devices: Sequence[DeviceLike], available: Sequence[DeviceLike] | None):
         """(one device name per rank, what set_devices may choose from); under torchrun, torchrun's ranks."""
@@ -265,6 +270,8 @@ class DdpTrainer(TrainerBase):
                 group = SpawnedGroup(config, state_dir)
             self._group = group
             self._rank0 = group.conns[0]
+            # Each generation's ranks are judged afresh (a device change may change their number).
+            self._straggler = StragglerWatch(self._publish, len(config.devices))
         return group
 
     def _rank_config(self, started: float, state_dir: Path, generation: int, state: str | None) -> RankConfig:
@@ -340,6 +347,8 @@ class DdpTrainer(TrainerBase):
                 # What a restart for a device change carries on with (rank 0 already checked it fits).
                 self._balance = event.weights if event.balance == "weights" else event.balance
         self._publish(event)
+        if isinstance(event, (RankJoined, RankStepFinished)) and self._straggler is not None:
+            self._straggler.feed(event)  # publishes StragglerFound / StragglerCleared
         if isinstance(event, StepFinished):
             with self._lock:
                 # After whatever the subscribers asked for: rank 0 applies that before step N+1.

@@ -7,7 +7,9 @@ host -> rank 0 (over its channel, `channel.py`; handled in `rank0_steering.py`):
   Published(step)             step N's subscribers have run: rank 0 may start step N+1
 rank -> host (handled in `host_inbox.py`, rank 0's news by `DdpTrainer._on_rank_message`):
   Ready, Forward(event), Finished(result), Restart(...)   each with `acked`, the newest
-                              Change number rank 0 has applied
+                              Change number rank 0 has applied; each step's Forward events
+                              include every rank's RankStepFinished (and, once, its RankJoined),
+                              gathered by rank 0 with the step's records
   ErrorReport                 from any rank (under torchrun, other ranks post it to the store)
   Alive                       every channel.HEARTBEAT_S, from a thread of each spawned rank,
                               however long its step (the host's liveness check)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import socket
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -37,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..balance import Balance, BalancePlan, Balancer, balance_name, balance_weights, balanced_sizes
 from ..devices import parse_device
-from ..eventlog.events import EpochFinished, Event, SplitChanged, TelemetrySampled
+from ..eventlog.events import EpochFinished, Event, RankJoined, RankStepFinished, SplitChanged, TelemetrySampled
 from ..instrument import ReplicaProbe, tensors_of
 from ..records import StepRecord
 from ..run.batches import batch_of, move_optimizer_state, to_device
@@ -46,12 +47,15 @@ from ..run.epoch_loop import Boundary, EpochLoop
 from ..run.failures import check_loss
 from ..run.run_state import RunState
 from ..scatter_gather import even_sizes, weighted_sizes
+from ..script.ddp_swap import timed_allreduce
+from ..script.step_phases import CudaClock, HostClock, RankSteps
 from ..telemetry.rank import RankTelemetry
 from ..telemetry.sample import DeviceSample
 from .channel import error_report
 from .config import RankConfig
 from .messages import Decision, ErrorReport, Finished, Ready, Restart
 from .rank0_steering import HostLost, Rank0Steering
+
 # No --step-timeout: a collective may wait this long (a slow rank is not a dead one; the host
 # catches a dead rank by its process ending, and a frozen one by its missing heartbeat).
 NO_STEP_TIMEOUT = timedelta(days=7)
@@ -79,6 +83,7 @@ class RankLoop(EpochLoop):
         self._steering = Rank0Steering(host, config) if rank == 0 else None
         self._report = report
         self._store = store  # under torchrun: this run's PrefixStore for the process group
+        self._local_rank = local_rank if local_rank is not None else rank
         self.name = config.devices[rank]
         self.device = _own_device(config, rank, local_rank)
         self._batch_size = config.batch_size
@@ -159,8 +164,22 @@ class RankLoop(EpochLoop):
         torch.manual_seed((cfg.seed * 1_000_003 + 7919 * (self.rank + 1) + cfg.generation) % 2**63)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         self.ddp = DistributedDataParallel(model, device_ids=device_ids)
+        self._watch_phases()
         self.phase = "train"
         self._send(Ready(os.getpid(), self._acked))
+
+    def _watch_phases(self) -> None:
+        """Each step's phases, as `dptui run` records a DDP script's (step_phases.py), with the same
+        timed all-reduce for comm_wait; they reach the host with the step's gathered records."""
+        clock = CudaClock(self.device) if self.device.type == "cuda" else HostClock()
+        self._rank_steps: list[RankStepFinished] = []
+        self._phases = RankSteps(self.rank, clock, self._rank_steps.append)
+        self.ddp.register_comm_hook(self._phases, timed_allreduce)
+        self._joined: RankJoined | None = RankJoined(
+            rank=self.rank, local_rank=self._local_rank, world_size=self.world, host=socket.gethostname(),
+            pid=os.getpid(), device=str(self.device) if self.device.type == "cuda" else "cpu",
+            node_rank=int(os.environ.get("GROUP_RANK", "0")), restart=self.cfg.generation,
+        )
 
     def _join(self) -> dist.Store:
         """This generation's store, once every rank has reached it (within the start-up timeout)."""
@@ -261,7 +280,11 @@ class RankLoop(EpochLoop):
             "forward_ms": forward_ms,
             "backward_ms": backward_ms,
             "sample": self._sample() if self._sample_now else None,
+            "joined": self._joined,  # the first step only
+            "phases": self._rank_steps[:],
         }
+        self._joined = None
+        self._rank_steps.clear()
         if self.rank == 0:
             payload["shapes"] = _outside_shapes(inputs, output, rows)
         gathered: list | None = [None] * self.world if self.rank == 0 else None
@@ -287,8 +310,11 @@ class RankLoop(EpochLoop):
         """Forward (through `probe`), backward (of the chunk's loss weighted by its share of the
         batch, see above) and the optimizer's step: (output, the rank's share of the batch's mean
         loss, forward ms, backward ms)."""
+        phases = self._phases
         before = time.perf_counter()
+        phases.forward_begins(mine, synced=True)
         output = probe.run(self.ddp, (inputs,), {}, _nothing)
+        phases.forward_ends()
         forward_done = time.perf_counter()
         if mine:
             loss = self.workload.loss_fn(output, targets)
@@ -298,9 +324,14 @@ class RankLoop(EpochLoop):
             objective = _zero_loss(output)
         self._optimizer.zero_grad(set_to_none=True)
         backward_started = time.perf_counter()
+        phases.backward_begins(objective)
         objective.backward()
+        phases.backward_ends()
         backward_done = time.perf_counter()
+        phases.optimizer_begins()
         self._optimizer.step()
+        phases.optimizer_ends()
+        phases.finish()  # the step ends with its optimizer: sent with this step's records
         share = loss.item() * mine / rows if loss is not None else 0.0
         return output, share, (forward_done - before) * 1000.0, (backward_done - backward_started) * 1000.0
 
@@ -333,6 +364,12 @@ class RankLoop(EpochLoop):
         )
         if plan is not None and plan.changed:
             self._event(SplitChanged(run.step + 1, "auto", plan.weights, by_balancer=True))
+        for payload in gathered:
+            if payload["joined"] is not None:
+                self._event(payload["joined"])
+        for payload in gathered:
+            for rank_step in payload["phases"]:
+                self._event(rank_step)
         self._event(
             run.step_event(
                 rows, loss, samples=len(self.workload.dataset), batch_size=self._batch_size, seconds=seconds,

@@ -116,7 +116,11 @@ def _timed_bucket(ddp: DistributedDataParallel, bucket):
     if isinstance(bucket, tuple):  # compiled autograd's Python reducer: (grad, param), no bucket to time
         say_once("comm_wait is not recorded under compiled autograd's Python reducer")
         return hook(state, bucket)
-    steps = _steps
+    return time_bucket(_steps, hook, state, bucket)
+
+
+def time_bucket(steps: RankSteps | None, hook: Callable, state: object, bucket):
+    """Run `hook(state, bucket)`, telling `steps` when the bucket is ready and when its all-reduce is done."""
     last = bucket.is_last()
     if steps is not None:
         steps.bucket_ready(last)
@@ -129,6 +133,11 @@ def _timed_bucket(ddp: DistributedDataParallel, bucket):
         return completed.value()
 
     return future.then(done)
+
+
+def timed_allreduce(steps: RankSteps, bucket):
+    """A comm hook whose state is the rank's phase clock: torch's default all-reduce, timed."""
+    return time_bucket(steps, allreduce_hook, None, bucket)
 
 
 def _rank_steps(ddp: TorchDDP) -> None:
