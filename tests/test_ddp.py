@@ -546,3 +546,12 @@ def test_every_rank_steps_phases_and_a_rank_slow_in_forward_is_named():
     verdicts = [e for e in events if isinstance(e, StragglerFound)]
     assert verdicts, "no straggler verdict"
     assert (verdicts[0].rank, verdicts[0].phase) == (1, "forward")
+
+
+def test_balanced_ranks_get_no_verdict():
+    trainer = _ddp(f"{FIXTURES / 'slow_device.py'}:balanced_two_ranks_workload", epochs=3)
+    events: list = []
+    trainer.subscribe(events.append)
+    assert isinstance(trainer.run(), RunFinished)
+    assert len([e for e in events if isinstance(e, RankStepFinished)]) == 60  # long enough for a verdict
+    assert [e for e in events if isinstance(e, StragglerFound)] == []
