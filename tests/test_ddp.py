@@ -548,10 +548,20 @@ def test_every_rank_steps_phases_and_a_rank_slow_in_forward_is_named():
     assert (verdicts[0].rank, verdicts[0].phase) == (1, "forward")
 
 
-def test_balanced_ranks_get_no_verdict():
+def test_balanced_ranks_get_no_verdict_and_the_hosts_time_is_no_phase():
     trainer = _ddp(f"{FIXTURES / 'slow_device.py'}:balanced_two_ranks_workload", epochs=3)
     events: list = []
     trainer.subscribe(events.append)
+    host_ms = 50.0
+
+    def slow_subscriber(event):
+        if isinstance(event, StepFinished):
+            time.sleep(host_ms / 1000)  # every rank waits for the host at the next boundary
+
+    trainer.subscribe(slow_subscriber)
     assert isinstance(trainer.run(), RunFinished)
-    assert len([e for e in events if isinstance(e, RankStepFinished)]) == 60  # long enough for a verdict
+    steps = [e for e in events if isinstance(e, RankStepFinished)]
+    assert len(steps) == 60  # long enough for a verdict
     assert [e for e in events if isinstance(e, StragglerFound)] == []
+    # The boundary's wait for the host is between steps: not the ranks' data (input) time.
+    assert max(s.data_ms for s in steps) < host_ms / 2

@@ -264,6 +264,7 @@ class RankLoop(EpochLoop):
     def _step(self, indices: torch.Tensor) -> None:
         """This rank's chunk of the global batch: train on it, gather every rank's record to rank 0."""
         started = time.perf_counter()
+        self._phases.step_starts()  # the boundary before it (steering, the host's publishing) is no phase
         rows = len(indices)
         sizes = self._sizes(rows)
         mine = sizes[self.rank] if self.rank < len(sizes) else 0

@@ -136,6 +136,12 @@ class RankSteps:
         self._unsent: list[_Step] = []  # finished, waiting for their CUDA events
         self._lock = threading.Lock()
 
+    def step_starts(self) -> None:
+        """The next step starts now, not at the previous one's end: what came between (dptui's own
+        step boundary, waiting for its host) is no phase of either step."""
+        if self._step is None:
+            self._last_end = self.clock.mark()
+
     # -- the DDP forward ---------------------------------------------------------------
 
     def forward_begins(self, samples: int, synced: bool) -> None:
