@@ -40,6 +40,7 @@ from dpengine.eventlog.writer import JsonLinesWriter
 from dpengine.run.options import RunOptions
 from dpengine.run.trainer import Trainer
 from dpengine.run.workloads import load_workload
+from tui.headless import TextPrinter
 
 FIXTURES = Path(__file__).parent / "fixtures"
 DDP_WORKLOADS = FIXTURES / "ddp_workloads.py"
@@ -518,6 +519,8 @@ def test_every_rank_steps_phases_and_a_rank_slow_in_forward_is_named():
     trainer = _ddp(f"{FIXTURES / 'slow_device.py'}:slow_rank_1_workload", epochs=3)
     events: list = []
     trainer.subscribe(events.append)
+    headless = io.StringIO()
+    trainer.subscribe(TextPrinter(headless))
     assert isinstance(trainer.run(), RunFinished)
 
     joined = [e for e in events if isinstance(e, RankJoined)]
@@ -546,6 +549,7 @@ def test_every_rank_steps_phases_and_a_rank_slow_in_forward_is_named():
     verdicts = [e for e in events if isinstance(e, StragglerFound)]
     assert verdicts, "no straggler verdict"
     assert (verdicts[0].rank, verdicts[0].phase) == (1, "forward")
+    assert f"step {verdicts[0].step}: rank 1 is the straggler: forward +" in headless.getvalue()
 
 
 def test_balanced_ranks_get_no_verdict_and_the_hosts_time_is_no_phase():

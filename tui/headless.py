@@ -16,7 +16,10 @@ from dpengine.eventlog.events import (
     SplitChanged,
     StateChanged,
     StepFinished,
+    StragglerCleared,
+    StragglerFound,
 )
+from dpengine.eventlog.summary import verdict_words
 
 from . import event_text as text
 
@@ -63,6 +66,8 @@ class TextPrinter:
             return [text.split_line(event)]
         if isinstance(event, StateChanged):
             return [text.state_line(event)]
+        if isinstance(event, (StragglerFound, StragglerCleared)):  # --backend ddp's verdicts
+            return [verdict_words(event)]
         if isinstance(event, RunFinished):
             return text.result_lines(event)
         if isinstance(event, RunFailed):
