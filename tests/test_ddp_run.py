@@ -406,3 +406,16 @@ def test_plain_dptui_run_pauses_the_ranks_a_script_spawns_in_lockstep(monkeypatc
         run.stop()
         thread.join(timeout=60)
     assert all(gone(e.pid) for e in events if isinstance(e, RankJoined))
+
+
+def test_node_0_whose_channel_port_is_taken_says_so_in_one_line():
+    import socket
+
+    port = free_port_pair()
+    with socket.create_server(("127.0.0.1", port + 1)):
+        done = dptui("--nnodes", "2", "--node-rank", "0", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+                     "--master-port", str(port), "--headless", FAKE)
+    assert done.returncode == 1
+    assert done.stderr.splitlines() == [
+        f"dptui run: error: cannot listen for the other nodes on 127.0.0.1:{port + 1} (the master port + 1): "
+        "Address already in use; choose another --master-port"]
