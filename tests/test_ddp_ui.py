@@ -194,6 +194,7 @@ async def test_dptui_view_of_a_ddp_log_shows_a_panel_per_rank_and_steps_through_
         assert "rank 1 is the straggler: data +48.0 ms/step over 20 steps" in str(app.status.render())
         assert "recording: step 30 (31 of 60)" in str(app.status.render())  # numbered as the panels number it
         assert rank_1.border_title == "rank 1 · node0 · local 1 · cpu"
+        assert len(app.replay.snapshot().loss_history) == 31  # steps 0 to 30, every rank's record of each fed
 
         await pilot.press("left")  # back across the verdict's start: rebuilt from the log, verdict and all
         for _ in range(8):
@@ -341,17 +342,19 @@ def test_a_ddp_step_is_where_its_last_rank_record_arrives_whatever_the_order():
     steps = RankSteps()
     steps.restart(2)
     # rank 0 is a step ahead of rank 1's records: step 0 completes with rank 1's, not at rank 0's step 1
-    assert [steps.add(s) for s in (0, 1, 0, 2, 1, 2)] == [(0, 0), (0, 0), (0, 1), (0, 0), (0, 1), (0, 1)]
+    done = [steps.add(s, line) for line, s in enumerate((0, 1, 0, 2, 1, 2))]
+    assert done == [[], [], [(2, 0)], [], [(4, 1)], [(5, 3)]]  # (last line, first line) of each step done
     # rank 1's step 3 was dropped: step 3 counts as complete when a record of step 5 comes
-    assert [steps.add(s) for s in (3, 4, 4, 5)] == [(0, 0), (0, 0), (0, 0), (1, 1)]
-    assert steps.add(3) == (0, 0)  # too late: counted already
+    done = [steps.add(s, line) for line, s in enumerate((3, 4, 4, 5), start=6)]
+    assert done == [[], [], [], [(8, 6), (9, 7)]]
+    assert steps.add(3, 10) == []  # too late: counted already
 
 
 def test_without_a_world_size_a_ddp_step_ends_where_the_next_begins():
     from dpengine.eventlog.index import RankSteps
 
     steps = RankSteps()
-    assert [steps.add(s) for s in (0, 0, 1, 1, 2)] == [(0, 0), (0, 0), (1, 0), (0, 0), (1, 0)]
+    assert [steps.add(s, line) for line, s in enumerate((0, 0, 1, 1, 2))] == [[], [], [(1, 0)], [], [(3, 2)]]
 
 
 def test_dptui_view_shows_every_ranks_record_of_a_step_when_they_came_out_of_order(tmp_path):
@@ -498,3 +501,15 @@ def test_the_first_screen_of_a_long_ddp_log_has_its_ranks_hosts_before_the_index
         assert [(r.host, r.local_rank, r.last.step) for r in snap.ranks] == [("node0", 0, 59), ("node0", 1, 59)]
     finally:
         index.close()
+
+
+def test_dptui_runs_log_says_which_rank_printed_a_line_and_keeps_each_ranks_progress_bar():
+    from tui.script.events import ScriptOutput
+
+    view = ScriptRunView("examples/train_ddp.py")
+    view.feed(ScriptOutput("stdout", "epoch 1: loss 0.5", rank=0))
+    view.feed(ScriptOutput("stdout", "torchrun says this"))
+    view.feed(ScriptOutput("stderr", " 40%|####", cr=True, rank=0))
+    view.feed(ScriptOutput("stderr", " 10%|#", cr=True, rank=1))
+    assert [line.text for line in view.take_log()] == ["[rank 0] epoch 1: loss 0.5", "torchrun says this"]
+    assert [line.text for line in view.live_lines()] == ["[rank 0]  40%|####", "[rank 1]  10%|#"]

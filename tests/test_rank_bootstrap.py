@@ -225,6 +225,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 dist.init_process_group("gloo", timeout=timedelta(seconds=77))
 model = DistributedDataParallel(nn.Linear(4, 1))
+model._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)  # C++: no Python hook can wrap it
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 for step in range(6):
     model(torch.randn(3, 4)).sum().backward()
@@ -253,6 +254,10 @@ def test_a_pause_at_step_n_holds_every_rank_before_it_until_resume(tmp_path: Pat
         # The collective timeout the script chose: what a pause must stay under.
         said = sorted((m["rank"], m["backend"], m["timeout_s"]) for m in receiver.of("process_group"))
         assert said == [(0, "gloo", 77.0), (1, "gloo", 77.0)]
+        # What cannot be recorded is said once per rank, and left as torch does it.
+        notices = sorted((m["rank"], m["text"].split(":")[0]) for m in receiver.of("notice"))
+        assert notices == [(0, "comm_wait is not recorded"), (1, "comm_wait is not recorded")]
+        assert all(s["comm_wait_ms"] == 0 for r in (0, 1) for s in receiver.steps(r).values())
 
 
 RAISING_SCRIPT = """

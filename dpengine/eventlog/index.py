@@ -78,24 +78,28 @@ class RankSteps:
         """A new run or generation (a rank joined): steps count from 0 again."""
         self.world_size = world_size
         self.counts: dict[int, int] = {}
+        self.firsts: dict[int, int] = {}  # the line of each open step's first record
         self.next = 0  # the first step not yet complete
 
-    def add(self, step: int | None) -> tuple[int, int]:
-        """One rank's record of `step`: (N, M), N steps completed before this line and M by it."""
-        before = by = 0
+    def add(self, step: int | None, line: int) -> list[tuple[int, int]]:
+        """One rank's record of `step`, on line `line`: the steps it completes, each as (its last
+        line, its first record's line)."""
+        done: list[tuple[int, int]] = []
         if step is None or step < self.next:
-            return 0, 0  # a record of a step counted already (late, or a second run's)
+            return done  # a record of a step counted already (late, or a second run's)
         # Without a world size, a record of the next step completes this one.
         while self.next < step - (1 if self.world_size else 0):
             self.counts.pop(self.next, None)
+            done.append((line - 1, self.firsts.pop(self.next, line - 1)))
             self.next += 1
-            before += 1
         self.counts[step] = self.counts.get(step, 0) + 1
+        self.firsts.setdefault(step, line)
         while self.world_size and self.counts.get(self.next, 0) >= self.world_size:
             del self.counts[self.next]
+            done.append((line, self.firsts.pop(self.next)))
             self.next += 1
-            by += 1
-        return before, by
+        return done
+
 
 CHUNK_BYTES = 1 << 22  # per read while indexing: stop() and the UI are seen between chunks
 TAIL_BYTES = 1 << 20  # the first read of the tail; doubled until it holds enough steps
@@ -153,6 +157,7 @@ class LogIndex:
         self._kinds = array("B")
         self._end = 0  # just past the last whole line indexed
         self._steps = array("q")  # line numbers of the steps
+        self._step_firsts = array("q")  # where each step's lines begin (a DDP step's first rank record)
         self._context = {kind: array("q") for kind in (*CONTEXT_KINDS, *EVERY_KINDS, ENDED)}
         self._rank_steps = RankSteps()
         self._bad = 0  # lines indexed as BAD
@@ -239,7 +244,7 @@ class LogIndex:
                 return False  # no whole line yet
             return self._index_chunk(size * 2)  # a line longer than a chunk
         starts, kinds = array("q"), array("B")
-        steps, context, bad = array("q"), {k: [] for k in self._context}, 0
+        steps, firsts, context, bad = array("q"), array("q"), {k: [] for k in self._context}, 0
         line = len(self._starts)
         i = 0
         find, startswith = data.find, data.startswith
@@ -254,10 +259,12 @@ class LogIndex:
             starts.append(base + i)
             kinds.append(kind)
             if kind == RANK_STEP:
-                before, by = self._rank_steps.add(int_field(data[i:j], "step"))
-                steps.extend([line - 1] * before + [line] * by)
+                for end, first in self._rank_steps.add(int_field(data[i:j], "step"), line):
+                    steps.append(end)
+                    firsts.append(first)
             elif kind == STEP:
                 steps.append(line)
+                firsts.append(line)
             elif kind == BAD:
                 bad += 1
             elif kind in context:
@@ -272,6 +279,7 @@ class LogIndex:
             self._starts.extend(starts)
             self._kinds.extend(kinds)
             self._steps.extend(steps)
+            self._step_firsts.extend(firsts)
             for kind, lines in context.items():
                 self._context[kind].extend(lines)
             self._bad += bad
@@ -287,11 +295,14 @@ class LogIndex:
                 self._starts.append(self._end)
                 kind = line_kind(rest)
                 self._kinds.append(kind)
+                line = len(self._starts) - 1
                 if kind == STEP:
-                    self._steps.append(len(self._starts) - 1)
+                    self._steps.append(line)
+                    self._step_firsts.append(line)
                 elif kind == RANK_STEP:
-                    before, by = self._rank_steps.add(int_field(rest, "step"))
-                    self._steps.extend([len(self._starts) - 2] * before + [len(self._starts) - 1] * by)
+                    for end, first in self._rank_steps.add(int_field(rest, "step"), line):
+                        self._steps.append(end)
+                        self._step_firsts.append(first)
                 elif kind in self._context:
                     self._context[kind].append(len(self._starts) - 1)
                 self._end += len(rest)
@@ -344,8 +355,12 @@ class LogIndex:
         return self._bad + len(self._undecodable)
 
     def step_line(self, step: int) -> int:
-        """The line number of step `step` (from 0)."""
+        """The line number of step `step` (from 0): for a DDP step, the line of its last rank's record."""
         return self._steps[step]
+
+    def step_first_line(self, step: int) -> int:
+        """Where step `step` (from 0) begins: its own line, or a DDP step's first rank record's."""
+        return self._step_firsts[step]
 
     def latest_before(self, line: int) -> list[int]:
         """What was in force before `line`: the line numbers of the latest line of each context

@@ -113,6 +113,9 @@ def _timed_bucket(ddp: DistributedDataParallel, bucket):
     """The comm hook on the reducer: the bucket is ready now; its all-reduce is done when the inner
     hook's future completes."""
     hook, state = ddp._dptui_user_hook or ddp._dptui_inner
+    if isinstance(bucket, tuple):  # compiled autograd's Python reducer: (grad, param), no bucket to time
+        say_once("comm_wait is not recorded under compiled autograd's Python reducer")
+        return hook(state, bucket)
     steps = _steps
     last = bucket.is_last()
     if steps is not None:

@@ -41,7 +41,7 @@ class ScriptRunView(RunView):
         super().__init__(clock)
         self._label = label
         self._exit: ScriptExited | None = None
-        self._live: dict[str, ScriptOutput] = {}  # per stream: its \r line as it stands
+        self._live: dict[tuple[int | None, str], ScriptOutput] = {}  # per rank and stream: its \r line as it stands
 
     def feed(self, event: Event | ScriptEvent) -> None:
         if isinstance(event, (RunFinished, RunFailed)):
@@ -61,16 +61,18 @@ class ScriptRunView(RunView):
             handler(event)
 
     def _on_output(self, event: ScriptOutput) -> None:
+        key = (event.rank, event.stream)  # a DDP script's ranks each redraw their own progress bar
         if event.cr:
-            self._live[event.stream] = event
+            self._live[key] = event
             return
-        self._live.pop(event.stream, None)  # its line ended: this is its last state
-        self._event(event.line, "error" if event.stream == "stderr" else "model")
+        self._live.pop(key, None)  # its line ended: this is its last state
+        self._event(_output_text(event), "error" if event.stream == "stderr" else "model")
 
     def live_lines(self) -> tuple[LogLine, ...]:
         """The lines the script is still redrawing (its progress bars), as they stand."""
         with self._lock:
-            return tuple(LogLine(e.line, "error" if e.stream == "stderr" else "model") for e in self._live.values())
+            return tuple(LogLine(_output_text(e), "error" if e.stream == "stderr" else "model")
+                         for e in self._live.values())
 
     def _on_notice(self, event: ScriptNotice) -> None:
         self._event(event.text)
@@ -108,6 +110,11 @@ class ScriptRunView(RunView):
         if not snap.workload:
             return dataclasses.replace(snap, workload=self._label, state="no DataParallel seen yet")
         return snap
+
+
+def _output_text(event: ScriptOutput) -> str:
+    """A line of the script's output as the log shows it: a DDP rank's says which rank printed it."""
+    return event.line if event.rank is None else f"[rank {event.rank}] {event.line}"
 
 
 class ScriptStatusBar(StatusBar):

@@ -72,7 +72,7 @@ class ReplayView:
                 self._feed(index.tail_events())
             return
         if self._cursor is None and index.line_count - 1 > self._fed:
-            if index.step_count and index.step_line(max(0, index.step_count - HISTORY_POINTS)) > self._fed:
+            if index.step_count and index.step_first_line(max(0, index.step_count - HISTORY_POINTS)) > self._fed:
                 self._rebuild(None)  # fell far behind: only the last window matters
             else:
                 self._feed_to(index.line_count - 1)
@@ -99,7 +99,7 @@ class ReplayView:
         count = index.step_count
         if count:
             last = count - 1 if target is None else target
-            first = index.step_line(max(0, last - HISTORY_POINTS + 1))
+            first = index.step_first_line(max(0, last - HISTORY_POINTS + 1))
             end = index.line_count - 1 if target is None else index.step_line(last)
         else:  # no step yet: the run's start and what followed it
             end = index.line_count - 1
@@ -127,7 +127,7 @@ class ReplayView:
                 return False
             going_back = self._cursor is None or target < self._cursor
             self._cursor = None if target == count - 1 else target
-            if going_back or self._index.step_line(max(0, target - HISTORY_POINTS + 1)) > self._fed:
+            if going_back or self._index.step_first_line(max(0, target - HISTORY_POINTS + 1)) > self._fed:
                 self._rebuild(self._cursor)  # the window starts before what is fed, or far after it
                 return True
             # On from the shown step: its window is fed already.
