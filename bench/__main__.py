@@ -28,6 +28,7 @@ BENCHES = {
     7: ("gpu", "GPU: dpengine vs torch.nn.DataParallel"),
     8: ("balance", "auto-balance"),
     9: ("view", "dptui view of a long run's log"),
+    10: ("ddp_ranks", "DDP ranks: recording overhead"),
 }
 DEFAULT_OUT = Path(__file__).with_name("results.md")
 

@@ -501,7 +501,10 @@ class DataParallel(nn.Module):
         state.measured = True
         if state.probes is None:
             return self.module(*args, **kwargs)
-        return state.probes[0].measure(self.module, args, kwargs)
+        probe = state.probes[0]
+        output = probe.measure(self.module, args, kwargs)
+        probe.read_memory()
+        return output
 
     def _start_clock(self, state: _ForwardState) -> None:
         """CUDA: the step's reference point on each device, where its peak memory starts too."""
@@ -579,6 +582,9 @@ class DataParallel(nn.Module):
         for index, result in enumerate(results):
             if isinstance(result, ExceptionWrapper):
                 reraise(result, index, device_name(self.devices[slots[index]]))
+        if probes is not None:
+            for probe in probes:
+                probe.read_memory()
         return results
 
     def _check_module_device(self) -> None:

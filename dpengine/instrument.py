@@ -287,8 +287,8 @@ class ReplicaProbe:
     """Measures one replica's forward.
 
     `measure` runs in the replica's worker thread and does only what must happen there (the
-    clock, the saved-tensor hooks, CUDA memory); `describe` runs in the caller once every
-    replica has finished (shapes, the backward hooks). Python in a worker competes for the GIL
+    clock, the saved-tensor hooks); `read_memory` and `describe` run in the caller once every
+    replica has finished (CUDA memory; shapes, the backward hooks). Python in a worker competes for the GIL
     with the other replicas on every op they launch; the caller, after the join, has it alone.
     """
 
@@ -310,6 +310,7 @@ class ReplicaProbe:
         self.known_saved: int | None = None
         self.saved_key: Any = None
         self._memory = 0
+        self._read_memory = False  # CUDA: the forward ran through measure; read_memory reads the counters
         self._peak: int | None = None
         self._chunk = 0
         self._input_shapes: tuple[Shape, ...] = ()
@@ -336,8 +337,14 @@ class ReplicaProbe:
         clock.start()
         output = fn(*args, **kwargs)
         clock.stop()
-        self._memory, self._peak = cuda_memory.allocated(self.device)
+        self._read_memory = True  # by read_memory, in the caller: it has the GIL to itself after the join
         return output
+
+    def read_memory(self) -> None:
+        """CUDA: the bytes allocated after the forward and the peak so far, in one read; in the
+        caller right after the replicas' join (before the gather adds the output to its device)."""
+        if self._read_memory:
+            self._memory, self._peak = cuda_memory.allocated(self.device)
 
     def describe(self, args: tuple, kwargs: dict, output: Any, on_backward_done: Callable[[], None],
                  last_node: Any = None) -> None:
@@ -375,6 +382,7 @@ class ReplicaProbe:
     def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, on_backward_done) -> Any:
         """measure and describe in one, for a replica run on the caller's own thread."""
         output = self.measure(fn, args, kwargs)
+        self.read_memory()
         self.describe(args, kwargs, output, on_backward_done)
         return output
 

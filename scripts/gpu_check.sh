@@ -114,15 +114,17 @@ step runahead 45 "$py" scripts/gpu_runahead.py $dry "$out/runahead.json"
 
 # 3. The trainer on the GPU, both backends; telemetry often, so that NVML samples come.
 for backend in dp ddp; do
+    starts=
+    [ "$backend" = dp ] && starts=--starts  # a DataParallel step's phases start where its events say
     step "dptui-$backend" 45 "$py" -m tui.cli --headless --json --backend "$backend" --devices "$devices" \
         --model mlp --epochs 3 --seed 1 --telemetry-interval 0.2 --log "$out/dptui-$backend.jsonl"
-    step "dptui-$backend-events" 15 "$py" scripts/gpu_events_check.py "$out/dptui-$backend.jsonl" $nvml
+    step "dptui-$backend-events" 15 "$py" scripts/gpu_events_check.py "$out/dptui-$backend.jsonl" $nvml $starts
 done
 
 # 4. A user's script: 2048 samples, batch 64, 2 epochs: 64 steps, every one published.
 step dptui-run 45 "$py" -m tui.cli run --headless --devices "$devices" --log "$out/dptui-run.jsonl" \
     examples/train_script.py --epochs 2
-step dptui-run-events 15 "$py" scripts/gpu_events_check.py "$out/dptui-run.jsonl" --steps 64 $nvml
+step dptui-run-events 15 "$py" scripts/gpu_events_check.py "$out/dptui-run.jsonl" --steps 64 --starts $nvml
 
 # 5. The GPU benchmark (dpengine against torch's DataParallel, NVML polling cost).
 step bench-gpu 100 "$py" -m bench --gpu-only $bench_quick --out "$out/bench-gpu.md"

@@ -463,7 +463,7 @@ async def test_the_last_device_cannot_be_removed():
 
 
 KEYS = {"space", "+", "-", "b", "1-9", "r", "t", "l", "?", "q"}
-HELP_ONLY = {"d", "a", "w"}  # no room in the Footer at 80 columns
+HELP_ONLY = {"d", "a", "w", "y"}  # no room in the Footer at 80 columns
 
 
 async def test_footer_and_help_list_every_key_and_l_hides_the_log():

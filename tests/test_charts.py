@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 
-from pilot import press, quit_app, until
-from timeline_fixtures import dp_run, unbalanced_step
+from pilot import press, quit_app, status, until
+from timeline_fixtures import dp_run, step_finished, unbalanced_step
 from ui_fakes import ScriptedTrainer, factory_of
 
+import tui.app
+from dpengine.eventlog.events import RunFinished
 from tui.app import DptuiApp
 from tui.widgets.device_panel import DevicePanel
 
@@ -75,4 +77,19 @@ async def test_a_panels_step_sparkline_says_its_highest_time():
         await until(lambda: panel.size.height > 0 and
                     panel.render_line(panel.size.height - 1).text.rstrip().endswith("30.1 ms"),
                     "the step sparkline's scale")
+        await quit_app(app)
+
+
+async def test_charts_are_drawn_at_their_own_pace_while_running_and_catch_up_when_it_ends(monkeypatch):
+    app, trainer = scripted(steps=3)
+    async with app.run_test(size=(120, 40)):
+        await until(trainer.published.is_set, "the run")
+        await until(lambda: "steps 1–3" in chart_lines(app.loss_chart)[0], "the first drawing")
+        monkeypatch.setattr(tui.app, "CHARTS_EVERY_S", 3600.0)  # drawn, and not again while the run goes
+        app.session.view.feed(step_finished(4, unbalanced_step(4)))
+        await until(lambda: "(#4)" in status(app), "step 4 in the status bar")
+        assert "steps 1–3" in chart_lines(app.loss_chart)[0]  # not yet: the charts wait their turn
+        app.session.view.feed(RunFinished(final_loss=0.25, epochs=1, steps=4, samples=120, seconds=1.0,
+                                          stopped=False))
+        await until(lambda: "steps 1–4" in chart_lines(app.loss_chart)[0], "the last step, once the run ended")
         await quit_app(app)

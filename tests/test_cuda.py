@@ -16,7 +16,6 @@ import time
 import pytest
 import torch
 from torch import nn
-from waiting import wait_for
 
 import dpengine
 from dpengine import StepRecord
@@ -48,6 +47,14 @@ def assert_grads_close(a: nn.Module, b: nn.Module, **tol) -> None:
 def assert_params_close(a: nn.Module, b: nn.Module) -> None:
     for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
         torch.testing.assert_close(pb.cpu(), pa.cpu(), msg=name, **TOL)
+
+
+def wait_for(condition, what: str, timeout: float = 20.0) -> None:
+    """tests/waiting.py's, without psutil: this file runs on GPU machines with bare pytest."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
 
 
 def finished(dp) -> StepRecord:

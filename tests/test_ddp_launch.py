@@ -76,6 +76,7 @@ def test_the_flags_mean_what_they_mean_to_torchrun():
     (["--nproc-per-node", "2", "no_such_script.py"], "no such script"),
     (["--nproc-per-node", "2"], "name a script"),
     (["--nproc-per-node"], "needs a value"),
+    (["--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "1", SCRIPT], "run headless (add --headless)"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, says):
     assert says in usage_error(capsys, *argv)

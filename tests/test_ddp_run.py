@@ -18,12 +18,12 @@ import psutil
 import pytest
 from waiting import gone, wait_for
 
-from dpengine.eventlog.events import RankJoined, RankStepFinished, StateChanged, StragglerFound
+from dpengine.eventlog.events import RankJoined, RankStepFinished, StateChanged, StragglerFound, TelemetrySampled
 from dpengine.run.protocol import PAUSE, Run
 from tui.script.ddp_launch import parse_launch
 from tui.script.ddp_run import DdpRun
 from tui.script.events import ScriptNotice
-from tui.script.script_run import ScriptTarget
+from tui.script.script_run import ScriptRun, ScriptTarget
 
 RANKS = Path(__file__).parent / "fixtures" / "ranks"
 FAKE = str(RANKS / "fake_rank.py")
@@ -48,10 +48,10 @@ def test_headless_output_as_under_torchrun_then_a_summary_with_the_verdict():
     assert done.returncode == 0, done.stderr
     # Each rank's lines, unchanged: no prefix, no events.
     assert sorted(done.stdout.splitlines()) == sorted(f"rank {r} step {s}" for r in range(2) for s in range(30))
-    summary = done.stderr.splitlines()
+    summary = done.stderr.splitlines()  # what `dptui view --headless` of its log would print
     header = next(i for i, line in enumerate(summary) if line.startswith("rank  host"))
-    assert [line.split()[0] for line in summary[header + 1:header + 3]] == ["0", "1"]
-    assert [line.split()[4] for line in summary[header + 1:header + 3]] == ["30", "30"]
+    rows = [line.split() for line in summary[header + 1:header + 3]]
+    assert [(row[0], row[4], row[-1]) for row in rows] == [("0", "30", "finished"), ("1", "30", "finished")]
     assert "  step 16: rank 1 is the straggler: backward +48.0 ms/step over 15 steps" in summary
 
 
@@ -206,13 +206,17 @@ async def test_the_app_shows_the_ranks_output_and_space_pauses_them_in_lockstep(
     from pilot import log_text, press, quit_app, status, until
 
     from tui.script.app import ScriptApp
+    from tui.widgets.rank_panel import RankPanel
 
-    run = fake_ranks("forever=1", "step_s=0.02")
+    run = fake_ranks("forever=1", "step_s=0.02", "slow_rank=1")
     joined: list = []
     run.subscribe(lambda e: joined.append(e.pid) if isinstance(e, RankJoined) else None)
     app = ScriptApp(run)
     async with app.run_test(size=(120, 40)):
         await until(lambda: "rank 1 step 3" in log_text(app), what="rank 1's output in the log", timeout=TIMEOUT)
+        await until(lambda: len(app.query(RankPanel)) == 2, what="a panel per rank")
+        await until(lambda: "rank 1 is the straggler: data +48.0 ms/step" in status(app), what="the verdict")
+        assert [p.has_class("-straggler") for p in app.query(RankPanel)] == [False, True]
         await press(app, "space")
         await until(lambda: "● paused" in status(app), what="every rank paused")
         await press(app, "space")
@@ -312,3 +316,93 @@ def test_a_node_with_the_wrong_rendezvous_is_not_taken():
                 assert lines == []
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_the_ui_in_a_real_terminal_stops_every_rank_when_dptui_is_signalled(signum, status):
+    import pty
+
+    master, slave = pty.openpty()
+    env = dict(os.environ, TERM="xterm-256color")
+    proc = subprocess.Popen([*DPTUI, "--nproc-per-node", "2", FAKE, "forever=1", "child=1", "step_s=0.05"],
+                            stdin=slave, stdout=slave, stderr=slave, env=env, start_new_session=True)
+    os.close(slave)
+    screen = bytearray()
+
+    def drain() -> None:  # a terminal that is not read would block the UI
+        while True:
+            try:
+                chunk = os.read(master, 1 << 16)
+            except OSError:
+                return
+            if not chunk:
+                return
+            screen.extend(chunk)
+
+    threading.Thread(target=drain, daemon=True).start()
+    try:
+        # dptui, torchrun, two ranks and their children (and the spawner's fork helpers, if any).
+        wait_for(lambda: len(psutil.Process(proc.pid).children(recursive=True)) >= 5 and b"step" in screen,
+                 "the ranks to get going", timeout=TIMEOUT)
+        family = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signum)
+        assert proc.wait(60) == status
+        for process in family:
+            wait_for(lambda: gone(process.pid), f"process {process.pid} ended", timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(master)
+
+
+def test_when_dptui_is_killed_torchrun_and_its_ranks_end_too():
+    proc = subprocess.Popen([*DPTUI, "--nproc-per-node", "2", "--headless", "--json", FAKE, "forever=1",
+                             "step_s=0.05"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    pids: list[int] = []
+
+    def read() -> None:
+        for raw in proc.stdout:
+            body = json.loads(raw)
+            if body["type"] == "rank_joined":
+                pids.append(body["pid"])
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        wait_for(lambda: len(pids) == 2, "both ranks", timeout=TIMEOUT)
+        family = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        proc.kill()  # SIGKILL: dptui cannot clean up; torchrun's parent-death signal does
+        proc.wait()
+        for pid in family + pids:
+            wait_for(lambda: gone(pid), f"process {pid} ended", timeout=60)
+    finally:
+        proc.kill()
+
+
+def test_plain_dptui_run_pauses_the_ranks_a_script_spawns_in_lockstep(monkeypatch):
+    for name in [k for k in os.environ if k.startswith("DPTUI_")]:
+        monkeypatch.delenv(name)
+    script = Path(__file__).parent / "fixtures" / "scripts" / "spawned_ranks.py"
+    run = ScriptRun(ScriptTarget(str(script), (str(free_port_pair()), "100000")), ("cpu:0", "cpu:1"),
+                    telemetry_interval=0.2, grace_s=3)
+    events: list = []
+    run.subscribe(events.append)
+    thread = threading.Thread(target=run.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: sum(isinstance(e, RankStepFinished) for e in events) >= 6, "spawned ranks stepping",
+                 timeout=TIMEOUT)
+        request = run.pause()
+        wait_for(lambda: any(isinstance(e, StateChanged) and e.state == "paused" for e in events), "paused")
+        assert next(e for e in events if isinstance(e, StateChanged)).request == request
+        last = {r: max(e.step for e in events if isinstance(e, RankStepFinished) and e.rank == r) for r in (0, 1)}
+        assert last[0] == last[1]
+        assert run.pause_deadline() is not None
+        run.resume()
+        wait_for(lambda: any(isinstance(e, RankStepFinished) and e.step > last[0] for e in events), "steps again")
+        # Each spawned rank's process, sampled from dptui as torchrun's ranks are.
+        wait_for(lambda: {s.device for e in list(events) if isinstance(e, TelemetrySampled) for s in e.samples
+                          if s.memory_used_bytes} >= {"rank 0", "rank 1"}, "each rank's telemetry")
+    finally:
+        run.stop()
+        thread.join(timeout=60)
+    assert all(gone(e.pid) for e in events if isinstance(e, RankJoined))

@@ -43,8 +43,13 @@ def test_the_event_check_passes_a_real_run_and_names_what_is_wrong(tmp_path: Pat
                   "--telemetry-interval", "0.2", "--log", str(log)]) == 0
     events = [json.loads(line) for line in log.read_text().splitlines()]
     capsys.readouterr()
-    assert check.main([str(log), "--steps", "4"]) == 0
+    assert check.main([str(log), "--steps", "4", "--starts"]) == 0
     assert all(line.startswith("ok: ") for line in capsys.readouterr().out.splitlines())
+    step = next(e for e in events if e["type"] == "step")
+    older = dict(step, replicas=[{k: v for k, v in r.items() if k != "forward_start_ms"} for r in step["replicas"]])
+    (ok, line), *_ = [v for v in check.check([*events, older], steps=None, nvml=False, starts=True)
+                      if "phase starts" in v[1]]
+    assert not ok and "all but 1 steps" in line
 
     step = next(e for e in events if e["type"] == "step")
     untimed = dict(step, replicas=[dict(step["replicas"][0], forward_ms=0.0), *step["replicas"][1:]])

@@ -19,6 +19,8 @@ SLOW_MS = 60
 
 PHASES_SCRIPT = f"""
 import time
+import sys
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -76,7 +78,7 @@ for step in range(14):
     optimizer.zero_grad()
     loss.backward()
     optimizer.step()
-    print("loss %d %d %r" % (rank, step, loss.item()), flush=True)  # one write: ranks share stdout
+    sys.stdout.write(f"loss {{rank}} {{step}} {{loss.item()!r}}\\n")  # one write: torchrun runs python -u
 dist.destroy_process_group()
 """
 
@@ -104,6 +106,7 @@ def test_a_slow_rank_shows_in_the_phase_it_is_slow_in(tmp_path: Path) -> None:
         hellos = receiver.of("hello")
         assert sorted(h["rank"] for h in hellos) == [0, 1]
         assert all(h["token"] == receiver.token and h["world_size"] == 2 and h["device"] == "cpu" for h in hellos)
+        assert [m["timeout_s"] for m in receiver.of("process_group")] == [None, None]  # torch's default
         steps = {rank: receiver.steps(rank) for rank in (0, 1)}
     assert all(sorted(steps[rank]) == list(range(14)) for rank in (0, 1))
     for rank in (0, 1):
@@ -130,6 +133,8 @@ def test_a_slow_rank_shows_in_the_phase_it_is_slow_in(tmp_path: Path) -> None:
 
 
 FEATURES_SCRIPT = """
+import sys
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -163,7 +168,8 @@ model.register_comm_hook(None, counting_hook)
 assert isinstance(model, torch.nn.parallel.distributed.DistributedDataParallel)
 assert isinstance(model, torch.nn.parallel.DistributedDataParallel)
 assert type(model).__name__ == "DistributedDataParallel" and isinstance(model.module, Net)
-assert sorted(model.state_dict()) == ["module.unused.bias", "module.unused.weight", "module.used.bias", "module.used.weight"]
+keys = ["module.unused.bias", "module.unused.weight", "module.used.bias", "module.used.weight"]
+assert sorted(model.state_dict()) == keys
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
 with torch.no_grad():
@@ -183,8 +189,8 @@ for step in range(6):
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad()
-    print("loss %d %d %r" % (rank, step, total), flush=True)  # one write: ranks share stdout
-print("hook calls", rank, len(calls), flush=True)
+    sys.stdout.write(f"loss {rank} {step} {total!r}\\n")
+sys.stdout.write(f"hook calls {rank} {len(calls)}\\n")
 dist.destroy_process_group()
 """
 
@@ -197,7 +203,7 @@ def test_accumulation_a_comm_hook_unused_parameters_and_a_grad_scaler(tmp_path: 
         steps = {rank: receiver.steps(rank) for rank in (0, 1)}
         finished = receiver.of("script_finished")
     assert sorted(m["exit_code"] for m in finished) == [0, 0], err
-    assert f"hook calls 0 6" in out and "hook calls 1 6" in out  # the script's own hook ran every sync
+    assert "hook calls 0 6" in out and "hook calls 1 6" in out  # the script's own hook ran every sync
     losses = printed_losses(out)
     for rank in (0, 1):
         assert sorted(steps[rank]) == list(range(6))  # an optimizer step is a step; the no_grad forward none
@@ -208,13 +214,18 @@ def test_accumulation_a_comm_hook_unused_parameters_and_a_grad_scaler(tmp_path: 
 
 
 PAUSE_SCRIPT = """
+from datetime import timedelta
+
+import sys
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-dist.init_process_group("gloo")
+dist.init_process_group("gloo", timeout=timedelta(seconds=77))
 model = DistributedDataParallel(nn.Linear(4, 1))
+model._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)  # C++: no Python hook can wrap it
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 for step in range(6):
     model(torch.randn(3, 4)).sum().backward()
@@ -240,9 +251,18 @@ def test_a_pause_at_step_n_holds_every_rank_before_it_until_resume(tmp_path: Pat
         assert code == 0 or len(receiver.of("script_finished")) == 2, err
         assert sorted(m["rank"] for m in receiver.of("state") if m["state"] == "running") == [0, 1]
         assert all(sorted(receiver.steps(r)) == list(range(6)) for r in (0, 1))
+        # The collective timeout the script chose: what a pause must stay under.
+        said = sorted((m["rank"], m["backend"], m["timeout_s"]) for m in receiver.of("process_group"))
+        assert said == [(0, "gloo", 77.0), (1, "gloo", 77.0)]
+        # What cannot be recorded is said once per rank, and left as torch does it.
+        notices = sorted((m["rank"], m["text"].split(":")[0]) for m in receiver.of("notice"))
+        assert notices == [(0, "comm_wait is not recorded"), (1, "comm_wait is not recorded")]
+        assert all(s["comm_wait_ms"] == 0 for r in (0, 1) for s in receiver.steps(r).values())
 
 
 RAISING_SCRIPT = """
+import sys
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -290,6 +310,8 @@ def test_by_hand_it_says_how_it_is_run_in_one_line(tmp_path: Path) -> None:
 
 COMPILED_SCRIPT = """
 import pickle
+import sys
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -312,7 +334,7 @@ for step in range(1, 4):
     optimizer.zero_grad()
     loss.backward()
     optimizer.step()
-    print("loss %d %d %r" % (dist.get_rank(), step, loss.item()), flush=True)  # one write: ranks share stdout
+    sys.stdout.write(f"loss {dist.get_rank()} {step} {loss.item()!r}\\n")
 copy = pickle.loads(pickle.dumps(model))
 assert type(copy) is type(model) and sorted(copy.state_dict()) == sorted(model.state_dict())
 dist.destroy_process_group()
@@ -332,6 +354,8 @@ def test_static_graph_torch_compile_and_pickling_behave_as_under_torch(tmp_path:
 
 CUDA_SCRIPT = """
 import os
+import sys
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -354,7 +378,7 @@ for step in range(5):
     scaler.update()
     optimizer.zero_grad()
 for step, loss in enumerate(losses):
-    print("loss %d %d %r" % (dist.get_rank(), step, loss.item()), flush=True)  # one write: ranks share stdout
+    sys.stdout.write(f"loss {dist.get_rank()} {step} {loss.item()!r}\\n")
 dist.destroy_process_group()
 """
 

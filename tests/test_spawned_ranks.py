@@ -1,18 +1,24 @@
 """Ranks a script starts itself (torch.multiprocessing.spawn, the DDP tutorial's way) are watched under
-plain `dptui run` as torchrun's are, when dptui listens for ranks (DPTUI_RANK_CHANNEL)."""
+plain `dptui run` as torchrun's are: each spawned child swaps DDP and connects to DPTUI_RANK_CHANNEL."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 from rank_receiver import RankReceiver, ended
+from waiting import holds_for, wait_for
 
+from dpengine.eventlog.events import RankStepFinished, StateChanged
 from dpengine.script import rank_wire
+from dpengine.script.spawned_rank import SITE_DIR
+from tui.script.script_run import ScriptRun, ScriptTarget
 
 SCRIPT = Path(__file__).parent / "fixtures" / "scripts" / "spawned_ranks.py"
 
@@ -23,46 +29,97 @@ def free_port() -> str:
         return str(sock.getsockname()[1])
 
 
-def dptui_run(receiver: RankReceiver, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, **{rank_wire.CHANNEL: receiver.address, rank_wire.TOKEN: receiver.token})
-    return subprocess.run([sys.executable, "-m", "tui.cli", "run", "--headless", str(SCRIPT), free_port(), *args],
-                          env=env, capture_output=True, text=True, timeout=240)
-
-
-def test_spawned_ranks_say_hello_and_send_their_steps() -> None:
-    with RankReceiver() as receiver:
-        done = dptui_run(receiver, "4")
-        assert done.returncode == 0, done.stderr
-        ended(receiver, 2)
-        hellos = receiver.of("hello")
-        steps = {rank: receiver.steps(rank) for rank in (0, 1)}
-        finished = receiver.of("script_finished")
-    assert sorted((h["rank"], h["world_size"], h["token"]) for h in hellos) == [(0, 2, "test-token"), (1, 2, "test-token")]
+def printed_losses(out: str) -> dict[tuple[int, int], float]:
     losses = {}
-    for line in done.stdout.splitlines():
+    for line in out.splitlines():
         if line.startswith("loss "):
             _, rank, step, value = line.split()
             losses[int(rank), int(step)] = float(value)
-    assert len(losses) == 8, done.stdout
-    for rank in (0, 1):
-        assert sorted(steps[rank]) == [0, 1, 2, 3]
-        assert all(steps[rank][s]["loss"] == pytest.approx(losses[rank, s]) for s in range(4))
-    assert sorted((m["rank"], m["exit_code"]) for m in finished) == [(0, 0), (1, 0)]
+    return losses
 
 
-def test_a_spawned_rank_that_raises_says_so() -> None:
-    with RankReceiver() as receiver:
-        done = dptui_run(receiver, "2", "1")
-        ended(receiver, 2)
-        (failed,) = receiver.of("rank_failed")
-    assert done.returncode != 0
+def dptui_json(*args: str) -> tuple[int, list[dict]]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DPTUI_")}
+    done = subprocess.run([sys.executable, "-m", "tui.cli", "run", "--headless", "--json", "--no-telemetry",
+                           str(SCRIPT), free_port(), *args], env=env, capture_output=True, text=True, timeout=240)
+    return done.returncode, [json.loads(line) for line in done.stdout.splitlines()]
+
+
+def test_dptui_run_shows_the_ranks_a_script_spawns() -> None:
+    code, events = dptui_json("4")
+    assert code == 0
+    kinds = [e["type"] for e in events]
+    started = events[kinds.index("run_started")]
+    assert started["config"]["backend"] == "ddp" and started["config"]["devices"] == ["cpu", "cpu"]
+    assert sorted(e["rank"] for e in events if e["type"] == "rank_joined") == [0, 1]
+    assert kinds.index("run_started") < min(i for i, k in enumerate(kinds) if k == "rank_step")
+    printed = "\n".join(e["line"] for e in events if e["type"] == "output")
+    losses = printed_losses(printed)
+    steps = {(e["rank"], e["step"]): e for e in events if e["type"] == "rank_step"}
+    assert sorted(steps) == sorted(losses) and len(steps) == 8
+    assert all(steps[key]["loss"] == pytest.approx(value) for key, value in losses.items())
+    ends = sorted((e["rank"], e["exit_code"], e["script_finished"]) for e in events if e["type"] == "rank_ended")
+    assert ends == [(0, 0, True), (1, 0, True)]
+    assert not any("built no torch.nn.DataParallel" in e.get("text", "") for e in events)  # it saw the ranks
+
+
+def test_a_spawned_rank_that_raises_is_named_with_its_error() -> None:
+    code, events = dptui_json("2", "1")
+    assert code != 0
+    (failed,) = [e for e in events if e["type"] == "rank_ended" and not e["script_finished"]]
     assert failed["rank"] == 1 and failed["error"] == "RuntimeError: rank 1 lost its data"
     assert "spawned_ranks.py" in failed["traceback"]
 
 
-def test_without_a_dptui_listening_the_children_are_left_alone(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DPTUI_")}
-    done = subprocess.run([sys.executable, "-m", "tui.cli", "run", "--headless", str(SCRIPT), free_port(), "2"],
-                          env=env, capture_output=True, text=True, timeout=240)
+def spawn_script(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    """The script under plain python, with what dptui run's bootstrap gives its children."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DPTUI_")} | env
+    env["PYTHONPATH"] = os.pathsep.join([SITE_DIR, *filter(None, [os.environ.get("PYTHONPATH")])])
+    return subprocess.run([sys.executable, str(SCRIPT), free_port(), *args], env=env, capture_output=True,
+                          text=True, timeout=240)
+
+
+def test_spawned_children_say_hello_with_the_token_and_send_their_steps() -> None:
+    with RankReceiver() as receiver:
+        done = spawn_script({rank_wire.CHANNEL: receiver.address, rank_wire.TOKEN: receiver.token}, "3")
+        assert done.returncode == 0, done.stderr
+        ended(receiver, 2)
+        said = sorted((h["rank"], h["world_size"], h["token"]) for h in receiver.of("hello"))
+        steps = {rank: receiver.steps(rank) for rank in (0, 1)}
+    assert said == [(0, 2, "test-token"), (1, 2, "test-token")]
+    assert all(sorted(steps[rank]) == [0, 1, 2] for rank in (0, 1))
+
+
+def test_without_a_dptui_listening_the_children_are_left_alone() -> None:
+    done = spawn_script({}, "2")
     assert done.returncode == 0, done.stderr
-    assert sum(line.startswith("loss ") for line in done.stdout.splitlines()) == 4
+    assert len(printed_losses(done.stdout)) == 4
+
+
+def test_space_pauses_the_spawned_ranks_in_lockstep_and_resumes_them() -> None:
+    target = ScriptTarget(str(SCRIPT), (free_port(), "60", "-1", "0.05"))  # 60 steps of 50 ms input each
+    run = ScriptRun(target, ("cpu:0", "cpu:1"), telemetry_interval=None)
+    seen: list = []
+    run.subscribe(seen.append)
+    thread = threading.Thread(target=run.run)
+    thread.start()
+
+    def steps() -> list[RankStepFinished]:
+        return [e for e in list(seen) if isinstance(e, RankStepFinished)]
+
+    try:
+        wait_for(lambda: steps(), "a rank's step", timeout=120)
+        request = run.pause()
+        wait_for(lambda: any(isinstance(e, StateChanged) and e.state == "paused" and e.request == request
+                             for e in list(seen)), "both ranks paused", timeout=60)
+        last = {rank: max(s.step for s in steps() if s.rank == rank) for rank in (0, 1)}
+        assert last[0] == last[1]  # the same step on both: lockstep
+        holds_for(lambda: len(steps()) == 2 * (last[0] + 1), 1.0, "a rank stepped while paused")
+        request = run.resume()
+        wait_for(lambda: any(isinstance(e, StateChanged) and e.state == "running" and e.request == request
+                             for e in list(seen)), "both ranks running", timeout=60)
+        assert run.wait(180) and run.exit_code == 0
+        assert len(steps()) == 120
+    finally:
+        run.stop()
+        thread.join(60)

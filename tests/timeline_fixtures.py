@@ -1,7 +1,7 @@
 """Hand-written steps with phase start times, for the step timeline's tests.
 
 - `unbalanced_step`: three replicas; cpu:2's forward takes 17.6 ms against 8.0, so cpu:0 and
-  cpu:1 wait 9.8 ms for it before the gather (and 6.5 ms for its backward).
+  cpu:1 wait 9.8 ms for it before the gather.
 - `balanced_step`: two replicas within 0.1 ms of each other: nobody waits.
 - `ddp_ranks`: two ranks; rank 1's backward is 9.6 ms longer, so rank 0 waits 9.8 ms in the
   all-reduce. Rank 1's clock runs 1 ms later: its first collective says so.

@@ -2,7 +2,9 @@
 
 A DataParallel step gives a row per replica: the engine's scatter and replicate (shared by
 every replica), the replica's forward, its wait for the slowest replica before the gather,
-the gather, and its backward (then its wait for the slowest backward). A DDP step gives a
+the gather, and its backward. (A backward's end is not labelled as a wait: on CPU devices one
+autograd thread runs the replicas' backwards one after another, so who ends last says who was
+started last, not who is slow.) A DDP step gives a
 row per rank: data, forward, backward, comm_wait, optimizer and other; a fast rank's
 comm_wait is its wait in the all-reduce for the slowest rank (the largest own time, step
 minus comm_wait: the largest backward would blame the wrong rank).
@@ -115,7 +117,6 @@ def dp_timeline(step: int, record: StepRecord) -> Timeline:
     span = max([record.total_ms, gather_end, *backward_ends.values()])
     min_wait = MIN_WAIT_FRACTION * span
     slowest_forward = max(forward_ends, key=forward_ends.__getitem__, default=None)
-    slowest_backward = max(backward_ends, key=backward_ends.__getitem__, default=None)
     devices = {r.index: r.device for r in record.replicas}
 
     rows = []
@@ -132,9 +133,6 @@ def dp_timeline(step: int, record: StepRecord) -> Timeline:
         spans.append(_phase("gather", gather, record.gather_ms))
         if i in backwards:
             spans.append(_phase("backward", backwards[i], replica.backward_ms, "bwd"))
-            waited = backward_ends[slowest_backward] - backward_ends[i]
-            if i != slowest_backward and waited >= min_wait:
-                spans.append(_wait(backward_ends[i], waited, devices[slowest_backward]))
         rows.append(Row(replica.device, tuple(spans)))
     return Timeline(step, tuple(rows), _span_of(rows, span), not exact)
 

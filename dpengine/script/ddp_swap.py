@@ -29,7 +29,7 @@ TorchDDP = torch_distributed.DistributedDataParallel
 
 _steps: RankSteps | None = None
 _make_steps: Callable[[HostClock | CudaClock], RankSteps] | None = None
-_notice: Callable[[str], None] = lambda text: None
+_notice: Callable[[str], None] | None = None
 _said: set[str] = set()
 _lock = threading.Lock()
 
@@ -113,6 +113,9 @@ def _timed_bucket(ddp: DistributedDataParallel, bucket):
     """The comm hook on the reducer: the bucket is ready now; its all-reduce is done when the inner
     hook's future completes."""
     hook, state = ddp._dptui_user_hook or ddp._dptui_inner
+    if isinstance(bucket, tuple):  # compiled autograd's Python reducer: (grad, param), no bucket to time
+        say_once("comm_wait is not recorded under compiled autograd's Python reducer")
+        return hook(state, bucket)
     steps = _steps
     last = bucket.is_last()
     if steps is not None:
@@ -135,17 +138,16 @@ def _rank_steps(ddp: TorchDDP) -> None:
         if _steps is not None or _make_steps is None:
             return
         if ddp.device_type == "cuda":
-            device = torch.device("cuda", torch.cuda.current_device()) if ddp.device_ids is None \
-                else torch.device("cuda", ddp.device_ids[0] if isinstance(ddp.device_ids[0], int)
-                                  else torch.device(ddp.device_ids[0]).index)
-            clock = CudaClock(device)
+            # DDP keeps device_ids as indices; None for a module it leaves where it is.
+            index = torch.cuda.current_device() if not ddp.device_ids else ddp.device_ids[0]
+            clock = CudaClock(torch.device("cuda", index))
         else:
             clock = HostClock()
         _steps = _make_steps(clock)
 
 
 def say_once(text: str) -> None:
-    if text not in _said:
+    if text not in _said and _notice is not None:
         _said.add(text)
         _notice(text)
 

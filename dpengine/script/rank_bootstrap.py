@@ -12,6 +12,7 @@ an abort in gloo's interpreter teardown after it is reported as such, never as a
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import socket
@@ -41,6 +42,7 @@ def main() -> None:
         from . import ddp_swap
 
         ddp_swap.install(lambda clock: rank_steps(link, clock), link.notice)
+        on_process_group(lambda said: link.post({"type": "process_group", "rank": link.rank, **said}))
     from .bootstrap import run_script
 
     run_script(argv, lambda exit_code, error: script_ended(link, exit_code, error))
@@ -65,6 +67,26 @@ def connect(address: str, hello: dict):
         print(f"dptui: rank {hello['rank']} cannot reach dptui at {address} ({error}); it trains unrecorded",
               file=sys.stderr)
         return None
+
+
+def on_process_group(then) -> None:
+    """`then({"backend", "timeout_s"})` each time the script's init_process_group returns: the
+    collective timeout it chose (None: torch's default for the backend), for dptui's pause notice."""
+    import torch.distributed as dist
+
+    c10d = sys.modules["torch.distributed.distributed_c10d"]
+    init = c10d.init_process_group
+
+    @functools.wraps(init)
+    def init_process_group(*args, **kwargs):
+        result = init(*args, **kwargs)
+        timeout = kwargs.get("timeout")
+        then({"backend": str(dist.get_backend()),
+              "timeout_s": timeout.total_seconds() if hasattr(timeout, "total_seconds") else None})
+        return result
+
+    c10d.init_process_group = init_process_group
+    dist.init_process_group = init_process_group
 
 
 def rank_steps(link, clock):

@@ -31,27 +31,22 @@ def carry_into_spawned_children() -> None:
 
 
 def install() -> None:
-    import torch.distributed as dist
     import torch.multiprocessing  # noqa: F401 - binds torch.multiprocessing.spawn, the module
 
     from . import ddp_swap
-    from .rank_bootstrap import rank_steps
+    from .rank_bootstrap import on_process_group, rank_steps
 
     channel, token = os.environ.pop(rank_wire.CHANNEL), os.environ.pop(rank_wire.TOKEN, "")
     # A spawn child's own children (DataLoader workers) are no ranks.
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != SITE_DIR)
-    init = dist.init_process_group
 
-    @functools.wraps(init)
-    def init_process_group(*args, **kwargs):
-        result = init(*args, **kwargs)
+    def joined(said: dict) -> None:
         _join(channel, token)
-        return result
+        if _link is not None:
+            _link.post({"type": "process_group", "rank": _link.rank, **said})
 
-    dist.init_process_group = init_process_group
-    torch_distributed_c10d = sys.modules["torch.distributed.distributed_c10d"]
-    torch_distributed_c10d.init_process_group = init_process_group
+    on_process_group(joined)
     ddp_swap.install(lambda clock: rank_steps(_link, clock) if _link is not None else None, _notice)
     spawn = sys.modules["torch.multiprocessing.spawn"]
     spawn._wrap = _watched(spawn._wrap)

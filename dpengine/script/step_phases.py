@@ -216,7 +216,8 @@ class RankSteps:
             self._end(step)
         self._step = None
         for unsent in self._unsent:
-            self.clock.wait(unsent.end)
+            for mark in _marks(unsent):
+                self.clock.wait(mark)
         self._send_done()
 
     def _end(self, step: _Step) -> None:
@@ -229,8 +230,13 @@ class RankSteps:
         self._send_done()
 
     def _send_done(self) -> None:
-        while self._unsent and self.clock.done(self._unsent[0].end):
+        while self._unsent and self._complete(self._unsent[0]):
             self._on_step(self._phases(self._unsent.pop(0)))
+
+    def _complete(self, step: _Step) -> bool:
+        """Every mark of the step has happened (on CUDA: its events, on whichever stream, and its loss's copy)."""
+        done = self.clock.done
+        return done(step.end) and all(map(done, _marks(step))) and all(r is None or r.ready() for r in step.losses)
 
     def _phases(self, step: _Step) -> RankStepFinished:
         ms, start = self.clock.ms, step.start
@@ -261,6 +267,12 @@ class RankSteps:
             optimizer_start_ms=offset(step.optimizers[0][0] if step.optimizers else None),
             first_collective_ms=offset(step.first_collective),
         )
+
+
+def _marks(step: _Step) -> list[Any]:
+    marks = [step.start, step.end, *(m for pair in step.forwards + step.optimizers for m in pair)]
+    marks += [m for b in step.backwards for m in (b.start, b.end, b.last_ready, b.last_done) if m is not None]
+    return marks
 
 
 def _loss_value(losses: list[Any]) -> float | None:

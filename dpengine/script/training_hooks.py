@@ -30,7 +30,6 @@ _listeners: list[TrainingListener] = []
 _installed = False
 _lock = threading.Lock()
 _depth = threading.local()  # .n: backward calls in progress on this thread (Tensor.backward calls autograd's)
-_current_loss: torch.Tensor | None = None  # the loss of the backward in progress (read from autograd's threads)
 _last_scaled: tuple[weakref.ref, torch.Tensor] | None = None  # GradScaler.scale's last result, and its input
 
 
@@ -40,19 +39,14 @@ def listen(listener: TrainingListener) -> None:
     _listeners.append(listener)
 
 
-def current_loss() -> torch.Tensor | None:
-    """During a backward call: the loss it was called on (detached); None outside one."""
-    return _current_loss
-
-
 def install() -> None:
     global _installed
     with _lock:
         if _installed:
             return
         _installed = True
-    torch.Tensor.backward = _watched(torch.Tensor.backward, tensor_method=True)
-    torch.autograd.backward = _watched(torch.autograd.backward, tensor_method=False)
+    torch.Tensor.backward = _watched(torch.Tensor.backward)
+    torch.autograd.backward = _watched(torch.autograd.backward)
     scaler = torch.amp.GradScaler
     scaler.scale = _remembering(scaler.scale)
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -106,16 +100,14 @@ def read_loss(loss: torch.Tensor | None) -> LossReading | None:
     return None if loss is None else LossReading(loss)
 
 
-def _watched(backward, tensor_method: bool):
+def _watched(backward):
     @functools.wraps(backward)
     def watched(tensors, *args: Any, **kwargs: Any):
         depth = getattr(_depth, "n", 0)
         if depth or not _listeners:
             return backward(tensors, *args, **kwargs)
-        global _current_loss
         loss = loss_of(tensors)
         _depth.n = 1
-        _current_loss = loss
         for listener in _listeners:
             listener.backward_begins(loss)
         try:
@@ -124,7 +116,6 @@ def _watched(backward, tensor_method: bool):
             _depth.n = 0
             for listener in _listeners:
                 listener.backward_ends()
-            _current_loss = None
 
     return watched
 

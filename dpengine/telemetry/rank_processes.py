@@ -15,14 +15,10 @@ import time
 
 import psutil
 
-from .sample import DeviceSample
+from .sample import DeviceSample, rank_device
 
 _NO_SENSOR = "not available for CPU ranks"
 _SENSOR_FIELDS = ("temperature_c", "power_w", "power_limit_w", "sm_clock_mhz")
-
-
-def rank_name(rank: int) -> str:
-    return f"rank {rank}"
 
 
 class _CpuRank:
@@ -71,7 +67,7 @@ class RankProcessesSource:
                     self._cpu[rank] = _CpuRank(pid)
                 except psutil.Error:
                     return
-            self.devices = tuple(rank_name(r) for r in sorted({*self._cpu, *self._cuda}))
+            self.devices = tuple(rank_device(r) for r in sorted({*self._cpu, *self._cuda}))
 
     def sample(self) -> tuple[DeviceSample, ...]:
         with self._lock:
@@ -82,12 +78,12 @@ class RankProcessesSource:
                     cpu, rss = watched.cpu_and_rss()
                 except psutil.Error:  # the rank ended: said once, then no longer sampled
                     del self._cpu[rank]
-                    self.devices = tuple(rank_name(r) for r in sorted({*self._cpu, *self._cuda}))
-                    samples[rank] = DeviceSample(device=rank_name(rank), name="rank process",
+                    self.devices = tuple(rank_device(r) for r in sorted({*self._cpu, *self._cuda}))
+                    samples[rank] = DeviceSample(device=rank_device(rank), name="rank process",
                                                  timestamp=time.monotonic(), missing={"device": "the rank ended"})
                     continue
                 samples[rank] = DeviceSample(
-                    device=rank_name(rank), name="rank process", timestamp=time.monotonic(),
+                    device=rank_device(rank), name="rank process", timestamp=time.monotonic(),
                     utilization_pct=min(100.0, cpu / per_rank_cores), memory_used_bytes=rss,
                     memory_total_bytes=self._total, missing=dict.fromkeys(_SENSOR_FIELDS, _NO_SENSOR))
             if self._cuda:
@@ -102,7 +98,7 @@ class RankProcessesSource:
             if self._nvml is not None:
                 self._nvml.close()
             self._nvml = NvmlSource([self._cuda[r] for r in ranks])
-        return {rank: dataclasses.replace(sample, device=rank_name(rank))
+        return {rank: dataclasses.replace(sample, device=rank_device(rank))
                 for rank, sample in zip(ranks, self._nvml.sample())}
 
     def close(self) -> None:

@@ -19,6 +19,7 @@ from ..app import LOG_STYLES, DptuiApp
 from ..session import Session
 from ..state import LogLine, Notice, RunView, Snapshot
 from ..widgets.status_bar import StatusBar, pack_lines, state_text, verdict_text
+from .ddp_run import DdpRun
 from .events import DataParallelSeen, ScriptEvent, ScriptExited, ScriptNotice, ScriptOutput
 from .safe_text import safe_text
 from .script_run import BATCH_OWNED, ScriptRun
@@ -224,6 +225,11 @@ class ScriptApp(DptuiApp):
     def action_restart(self) -> None:
         self._say("A script cannot be restarted from dptui.")
 
+    def _terminate(self) -> None:
+        if isinstance(self.run_, DdpRun):
+            self.run_.hurry(signal.SIGTERM)  # torchrun and the ranks get the SIGTERM dptui got: 143
+        super()._terminate()
+
     def action_next_instance(self) -> None:
         try:
             name = self.run_.show_next_instance()
@@ -233,12 +239,15 @@ class ScriptApp(DptuiApp):
         self.notify(f"The panels follow {name} from its next step.")
 
 
-def run_script_app(run: ScriptRun) -> int:
+def run_script_app(run: ScriptRun | DdpRun) -> int:
     """The UI until q; then the script is stopped (if still running) and its status returned."""
     app = ScriptApp(run)
 
     def on_signal(signum, frame) -> None:  # dptui itself told to stop: the script goes too
-        run.hurry()  # as q; again while it stops (Ctrl-C after q): SIGTERM now, SIGKILL soon after
+        if isinstance(run, DdpRun):
+            run.hurry(signum)  # torchrun gets the signal dptui got: 130 after Ctrl-C, 143 after SIGTERM
+        else:
+            run.hurry()  # as q; again while it stops (Ctrl-C after q): SIGTERM now, SIGKILL soon after
         app.exit()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}

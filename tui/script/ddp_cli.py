@@ -101,7 +101,7 @@ def _run_headless(run: DdpRun, json_out: bool) -> int:
         run.subscribe(guard)
     run.subscribe(_say_notices)  # on stderr: --json keeps stdout to its events
     summary = None
-    if not json_out:
+    if not json_out:  # the rows `dptui view --headless` of the --log would print
         from dpengine.eventlog.summary import RunSummary
 
         summary = RunSummary()
@@ -123,9 +123,9 @@ def _run_headless(run: DdpRun, json_out: bool) -> int:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     if summary is not None and summary.ranks():
-        from dpengine.eventlog.summary import rank_lines
+        from ..view.cli import summary_lines
 
-        print("\n".join(rank_lines(summary)), file=sys.stderr, flush=True)
+        print("\n".join(summary_lines(summary)), file=sys.stderr, flush=True)
     if guard.broken:
         silence_stdout()
         return 0

@@ -39,8 +39,10 @@ from dpengine.script import wire
 
 from . import spawner
 from .events import DataParallelSeen, ScriptExited, ScriptNotice, ScriptOutput, ScriptStarted, StepsDropped
+from .failure_record import FailureRecord
 from .notices import end_notices
 from .output_lines import OutputLines
+from .rank_hub import RankHub
 
 GRACE_S = 5.0  # after SIGINT, then after SIGTERM, before the next signal
 HURRY_S = 1.0  # asked to stop again while stopping: SIGTERM now, SIGKILL this much later
@@ -106,6 +108,7 @@ class ScriptRun(Publisher):
         self._last_loss: float | None = None
         self._requests = 0  # numbered as a Trainer numbers them; the child's events carry them back
         self.exit_code: int | None = None
+        self._ranks = RankHub(target.label, self._publish)  # DDP ranks the script spawns itself (rank_hub.py)
 
     # -- what the UI drives -----------------------------------------------------------
 
@@ -127,15 +130,23 @@ class ScriptRun(Publisher):
             proc = self._proc
             readers = self._start_readers()
             poller = self._start_telemetry(proc.pid)
+            rank_poller = self._start_rank_telemetry()
             code = proc.wait()
             self._signal_group(signal.SIGKILL)  # whatever it left behind: no orphans
             for reader in readers:
                 reader.join(timeout=5)
+            self._ranks.wait_for_ranks(5.0)
+            self._ranks.end_leftovers()
+            if self._ranks.joined:  # each spawned rank's end; the script's own status is dptui's
+                self._ranks.finish(FailureRecord(), None, code, unsaid=-signal.SIGTERM)  # as spawn ends the others
             if poller is not None:
                 poller.stop()
                 poller.source.close()
+            if rank_poller is not None:
+                rank_poller.stop()
             return self._finish(code)
         finally:
+            self._ranks.close()
             self._close_control()
             self._done.set()
 
@@ -167,10 +178,18 @@ class ScriptRun(Publisher):
         self._signal_group(signal.SIGKILL)
 
     def pause(self) -> int:
+        if self._ranks.joined:  # DDP ranks the script spawned: every rank, before the same step
+            return self._ranks.pause()
         return self._send({"op": "pause"})
 
     def resume(self) -> int:
+        if self._ranks.joined:
+            return self._ranks.resume()
         return self._send({"op": "resume"})
+
+    def pause_deadline(self) -> float | None:
+        """While spawned DDP ranks are paused: when their collectives would time out (rank_hub.py)."""
+        return self._ranks.pause_deadline()
 
     def show_next_instance(self) -> str:
         """Let the panels follow the next DataParallel the script built, from its next step."""
@@ -209,6 +228,7 @@ class ScriptRun(Publisher):
         env[wire.LIFELINE_FD] = str(lifeline_r)
         env[wire.PARENT_PID] = str(os.getpid())
         env[wire.DEVICES] = ",".join(self._devices_arg)
+        env.update(self._ranks.listen().env())
         if self._capture:
             env["PYTHONUNBUFFERED"] = "1"  # lines as they are printed, not in 8 KiB blocks
         pipe = subprocess.PIPE if self._capture else None
@@ -240,6 +260,14 @@ class ScriptRun(Publisher):
         for thread in threads:
             thread.start()
         return threads
+
+    def _start_rank_telemetry(self):
+        """The DDP ranks the script spawns, each sampled by its pid as they join (rank_hub.py)."""
+        if self._telemetry_interval is None:
+            return None
+        from dpengine.telemetry import TelemetryPoller
+
+        return TelemetryPoller(self._ranks.telemetry, self._ranks.on_samples, self._telemetry_interval).start()
 
     def _start_telemetry(self, pid: int):
         if self._telemetry_interval is None:
@@ -341,8 +369,9 @@ class ScriptRun(Publisher):
         seconds = time.monotonic() - self._started_at
         gpus = sum(d.startswith("cuda:") for d in self._available)
         completed = code == 0 and not self._stopping
-        for text in end_notices(list(self._seen), self._stepped, self._used, gpus, completed):
-            self._publish(ScriptNotice(text))
+        if self._seen or not self._ranks.joined:  # ranks it spawned were watched: no "built no DataParallel"
+            for text in end_notices(list(self._seen), self._stepped, self._used, gpus, completed):
+                self._publish(ScriptNotice(text))
         self._publish(ScriptExited(code, signame))
         if code == 0:
             final: RunFinished | RunFailed = RunFinished(

@@ -1,0 +1,133 @@
+"""A rank's phase clock (dpengine.script.step_phases.RankSteps) on a clock the test moves: where a
+step ends (several optimizers, no_sync micro-batches, a GradScaler's skipped step), its phases, and
+a pause before step N."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dpengine.script.step_phases import RankSteps
+
+
+class MovedClock:
+    """Marks are the test's time, in seconds."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def mark(self) -> float:
+        return self.now
+
+    def ms(self, start: float, end: float) -> float:
+        return (end - start) * 1000.0
+
+    def done(self, mark: float) -> bool:
+        return True
+
+    def wait(self, mark: float) -> None:
+        pass
+
+    def memory(self):
+        return 100, 200
+
+
+@pytest.fixture
+def clock() -> MovedClock:
+    return MovedClock()
+
+
+@pytest.fixture
+def sent() -> list:
+    return []
+
+
+@pytest.fixture
+def steps(clock, sent) -> RankSteps:
+    return RankSteps(0, clock, sent.append)
+
+
+def micro_batch(steps: RankSteps, clock: MovedClock, *, synced: bool = True, loss: float = 1.0,
+                forward: float = 0.010, compute: float = 0.020, wait: float = 0.0) -> None:
+    steps.forward_begins(8, synced=synced)
+    clock.now += forward
+    steps.forward_ends()
+    steps.backward_begins(torch.tensor(loss))
+    clock.now += compute
+    if synced:
+        steps.bucket_ready(last=True)
+        clock.now += wait
+        steps.bucket_done(last=True)
+    steps.backward_ends()
+
+
+def optimizer_step(steps: RankSteps, clock: MovedClock, seconds: float = 0.005) -> None:
+    steps.optimizer_begins()
+    clock.now += seconds
+    steps.optimizer_ends()
+
+
+def test_a_step_is_cut_into_its_phases(steps, clock, sent):
+    micro_batch(steps, clock)
+    optimizer_step(steps, clock)
+    clock.now += 0.030  # the next batch loads
+    micro_batch(steps, clock, forward=0.010, compute=0.020, wait=0.015)
+    clock.now += 0.002  # the script's own work
+    optimizer_step(steps, clock, 0.005)
+    steps.finish()
+    first, second = sent
+    assert (first.step, second.step) == (0, 1)
+    assert second.data_ms == pytest.approx(30) and second.forward_ms == pytest.approx(10)
+    assert second.backward_ms == pytest.approx(20) and second.comm_wait_ms == pytest.approx(15)
+    assert second.optimizer_ms == pytest.approx(5) and second.other_ms == pytest.approx(2)
+    assert second.total_ms == pytest.approx(82)
+    assert second.forward_start_ms == pytest.approx(30) and second.comm_wait_start_ms == pytest.approx(60)
+    assert second.first_collective_ms == pytest.approx(60) and second.optimizer_start_ms == pytest.approx(77)
+    assert (second.memory_bytes, second.peak_memory_bytes, second.samples, second.loss) == (100, 200, 8, 1.0)
+
+
+def test_no_sync_micro_batches_are_one_step(steps, clock, sent):
+    for _ in range(2):
+        micro_batch(steps, clock, synced=False, loss=0.5)
+        micro_batch(steps, clock, synced=False, loss=0.25)
+        micro_batch(steps, clock, synced=True, loss=0.25)
+        optimizer_step(steps, clock)
+    steps.finish()
+    assert [(s.step, s.micro_batches, s.samples, s.loss) for s in sent] == [(0, 3, 24, 1.0), (1, 3, 24, 1.0)]
+
+
+def test_several_optimizers_end_the_step_at_the_last_before_the_next_forward(steps, clock, sent):
+    micro_batch(steps, clock)
+    optimizer_step(steps, clock, 0.004)
+    clock.now += 0.001
+    optimizer_step(steps, clock, 0.006)
+    micro_batch(steps, clock)
+    assert len(sent) == 1 and sent[0].optimizer_ms == pytest.approx(10) and sent[0].other_ms == pytest.approx(1)
+
+
+def test_a_skipped_optimizer_step_ends_at_the_synchronised_backward(steps, clock, sent):
+    micro_batch(steps, clock)  # a GradScaler found inf: no optimizer.step
+    clock.now += 0.050
+    micro_batch(steps, clock)
+    optimizer_step(steps, clock)
+    steps.finish()
+    assert [s.step for s in sent] == [0, 1]
+    assert sent[0].optimizer_ms == 0 and sent[0].total_ms == pytest.approx(30)
+    assert sent[1].data_ms == pytest.approx(50)  # from the skipped step's end
+
+
+def test_a_pause_before_step_n_is_not_counted_as_input(clock, sent):
+    def before_step(number: int) -> bool:
+        if number == 1:
+            clock.now += 10.0  # paused for ten seconds
+            return True
+        return False
+
+    steps = RankSteps(0, clock, sent.append, before_step)
+    micro_batch(steps, clock)
+    optimizer_step(steps, clock)
+    clock.now += 0.003
+    micro_batch(steps, clock)
+    optimizer_step(steps, clock)
+    steps.finish()
+    assert sent[1].data_ms == pytest.approx(0) and sent[1].total_ms < 100
