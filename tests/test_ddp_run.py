@@ -217,6 +217,11 @@ async def test_the_app_shows_the_ranks_output_and_space_pauses_them_in_lockstep(
         await until(lambda: len(app.query(RankPanel)) == 2, what="a panel per rank")
         await until(lambda: "rank 1 is the straggler: data +48.0 ms/step" in status(app), what="the verdict")
         assert [p.has_class("-straggler") for p in app.query(RankPanel)] == [False, True]
+        # No DataParallel to steer: its keys are left out of the Footer, and do nothing.
+        footer = {k.key_display for k in app.query("FooterKey")}
+        assert footer.isdisjoint({"+", "-", "b", "1-9", "i"}) and {"space", "t", "q"} <= footer, footer
+        await press(app, "b")
+        assert not app.screen_stack[-1].is_modal
         await press(app, "space")
         await until(lambda: "● paused" in status(app), what="every rank paused")
         await press(app, "space")
