@@ -217,6 +217,11 @@ async def test_the_app_shows_the_ranks_output_and_space_pauses_them_in_lockstep(
         await until(lambda: len(app.query(RankPanel)) == 2, what="a panel per rank")
         await until(lambda: "rank 1 is the straggler: data +48.0 ms/step" in status(app), what="the verdict")
         assert [p.has_class("-straggler") for p in app.query(RankPanel)] == [False, True]
+        # No DataParallel to steer: its keys are left out of the Footer, and do nothing.
+        footer = {k.key_display for k in app.query("FooterKey")}
+        assert footer.isdisjoint({"+", "-", "b", "1-9", "i"}) and {"space", "t", "q"} <= footer, footer
+        await press(app, "b")
+        assert not app.screen_stack[-1].is_modal
         await press(app, "space")
         await until(lambda: "● paused" in status(app), what="every rank paused")
         await press(app, "space")
@@ -406,3 +411,16 @@ def test_plain_dptui_run_pauses_the_ranks_a_script_spawns_in_lockstep(monkeypatc
         run.stop()
         thread.join(timeout=60)
     assert all(gone(e.pid) for e in events if isinstance(e, RankJoined))
+
+
+def test_node_0_whose_channel_port_is_taken_says_so_in_one_line():
+    import socket
+
+    port = free_port_pair()
+    with socket.create_server(("127.0.0.1", port + 1)):
+        done = dptui("--nnodes", "2", "--node-rank", "0", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+                     "--master-port", str(port), "--headless", FAKE)
+    assert done.returncode == 1
+    assert done.stderr.splitlines() == [
+        f"dptui run: error: cannot listen for the other nodes on 127.0.0.1:{port + 1} (the master port + 1): "
+        "Address already in use; choose another --master-port"]

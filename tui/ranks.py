@@ -40,8 +40,6 @@ class RankView:
     local_rank: int | None = None  # None: the rank sent steps but its joining was not seen
     host: str = ""
     device: str = ""
-    node_rank: int = 0
-    restart: int = 0
     last: RankStepFinished | None = None  # its last step
     steps: int = 0  # steps seen
     sample: DeviceSample | None = None  # its device's (or process's) telemetry
@@ -194,8 +192,6 @@ class RankBoard:
                 local_rank=joined.local_rank if joined else None,
                 host=(joined.host if joined else "") or (ended.host if ended else ""),
                 device=device,
-                node_rank=joined.node_rank if joined else 0,
-                restart=joined.restart if joined else 0,
                 last=state.at(shown),
                 steps=state.steps,
                 sample=sample,

@@ -161,6 +161,11 @@ class ScriptStatusBar(StatusBar):
         self.update(text, layout=False)
 
 
+# What steers a script's DataParallel: batch, devices, split and which instance the panels follow.
+DATAPARALLEL_ACTIONS = frozenset({"scale_batch", "ask_batch", "next_instance", "toggle_device", "pick_devices",
+                                  "toggle_balance", "ask_weights"})
+
+
 class ScriptApp(DptuiApp):
     """Steers a ScriptRun: space pauses at the next DataParallel forward, 1-9/d move it, q stops it."""
 
@@ -204,6 +209,8 @@ class ScriptApp(DptuiApp):
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action == "restart":
             return False  # a script cannot be run again from fresh weights
+        if action in DATAPARALLEL_ACTIONS and isinstance(self.run_, DdpRun):
+            return False  # a DDP script's ranks: no DataParallel to steer, keys left out of the Footer
         if action in ("scale_batch", "ask_batch", "next_instance"):
             return super().check_action("help", parameters)  # shown, to say who owns the batch
         return super().check_action(action, parameters)

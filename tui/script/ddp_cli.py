@@ -119,6 +119,9 @@ def _run_headless(run: DdpRun, json_out: bool) -> int:
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         run.run()
+    except OSError as error:  # nothing started: one line, not a traceback
+        print(f"dptui run: error: {error}", file=sys.stderr, flush=True)
+        return 1
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)

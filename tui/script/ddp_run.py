@@ -165,7 +165,12 @@ class DdpRun(Publisher):
         launch = self.launch
         if launch.several_nodes and launch.node_rank == 0:  # the other nodes' dptui connect here too
             host, port = node_channel(launch)
-            self._hub.listen(host, port, node_token(launch))
+            try:
+                self._hub.listen(host, port, node_token(launch))
+            except OSError as error:
+                why = os.strerror(error.errno) if error.errno else str(error)
+                raise OSError(f"cannot listen for the other nodes on {host}:{port} (the master port + 1): "
+                              f"{why}; choose another --master-port") from None
         else:
             self._hub.listen()
             if launch.several_nodes:
