@@ -16,6 +16,9 @@ from collections import deque
 from typing import Any
 
 SEND_AT_ONCE = 512  # items per write: the queue's lock is never held for long
+# After a write, steps gather this long before the next: waking the sender for every step takes
+# the GIL from the training thread each time (bench 10: +8.5% on a 29 ms DDP step, +2.1% batched).
+GATHER_S = 0.05
 FLUSH_AT_EXIT_S = 2.0
 
 
@@ -31,6 +34,7 @@ class QueuedSender:
         self._queued_counted = 0
         self._dropped: dict[Any, int] = {}  # per key, items dropped since the last write
         self._writing = False  # taken from the queue, not yet written
+        self._sleeping = False  # the sender waits for anything at all: a step wakes it
         self._broken = False
         self._thread_name = thread_name
 
@@ -54,7 +58,7 @@ class QueuedSender:
             if self._broken:
                 return
             self._queue.append(message)
-            self._cond.notify()
+            self._cond.notify_all()  # the sender, never only a flush() waiting on the same condition
 
     def _append_counted(self, key: Any, item: Any, limit: int) -> None:
         """Under self._cond: queue a counted item, or count it dropped when `limit` are queued."""
@@ -65,7 +69,8 @@ class QueuedSender:
             self._queued_counted += 1
         else:
             self._dropped[key] = self._dropped.get(key, 0) + 1
-        self._cond.notify()
+        if self._sleeping:
+            self._cond.notify_all()
 
     @property
     def broken(self) -> bool:
@@ -95,7 +100,9 @@ class QueuedSender:
         while True:
             with self._cond:
                 while not (self._queue or self._dropped):
+                    self._sleeping = True
                     self._cond.wait()
+                self._sleeping = False
                 items = [self._queue.popleft() for _ in range(min(len(self._queue), SEND_AT_ONCE))]
                 self._queued_counted -= sum(1 for item in items if not isinstance(item, dict))
                 dropped, self._dropped = self._dropped, {}
@@ -114,3 +121,4 @@ class QueuedSender:
             with self._cond:
                 self._writing = False
                 self._cond.notify_all()  # flush() waits for all of it to be written
+                self._cond.wait(GATHER_S)  # a message (post) cuts it short; steps do not
