@@ -120,8 +120,9 @@ async def test_after_the_script_exits_the_panels_keep_its_last_step_and_say_they
                     what="every panel saying it shows the last step")
         assert [(p.view.device, p.chunk) for p in panels] == [("cpu:0", 5), ("cpu:1", 5)]  # step 3's split
         assert all(p.has_class("-ended") for p in panels)
+        # The script's own lines (the log is written once a second), and no In Model / Outside of dptui's.
+        await until(lambda: "step 3: loss" in log_text(app), what="the script's last line in the log")
         log = log_text(app)
-        assert "step 3: loss" in log  # the script's own lines, and no In Model / Outside of dptui's
         assert "In Model" not in log and "Outside" not in log
         # What dptui saw and did not: plain_loop.py builds a second DataParallel it never calls.
         await until(lambda: "Tagged(Linear, 12 params)@plain_loop.py:29 was built but never stepped" in log_text(app),
