@@ -20,7 +20,8 @@ from ..stdout_pipe import StopOnBrokenPipe, silence_stdout
 from ..usage import EXIT_USAGE, Parser, UsageError, check_json_output, check_log_path, number, open_log
 from ..usage import parse_devices as parse_device_names
 from .events import ScriptNotice
-from .script_run import GRACE_S, ScriptRun, ScriptTarget
+from .script_run import ScriptRun, ScriptTarget
+from .stopping import GRACE_S
 
 USAGE = "dptui run [OPTIONS] (SCRIPT.py | -m MODULE) [ARGS...]"
 DDP_USAGE = ("dptui run --nproc-per-node N [--nnodes M --node-rank K --master-addr A --master-port P | "

@@ -19,7 +19,7 @@ from .cli import DDP_USAGE, _json_lines, _say_notices, parse_target
 from .ddp_launch import DdpLaunch, parse_launch, split_options
 from .ddp_run import DdpRun
 from .events import ScriptNotice
-from .script_run import GRACE_S
+from .stopping import GRACE_S
 
 # dptui's own options here, each with whether it takes a value; every other option is torchrun's.
 OPTIONS = {"--headless": False, "--json": False, "--log": True, "--grace": True, "--telemetry-interval": True,

@@ -31,7 +31,7 @@ from .failure_record import FailureRecord
 from .node_link import node_channel, node_token
 from .output_lines import OutputLines
 from .rank_hub import RankHub
-from .script_run import GRACE_S, HURRY_S
+from .stopping import GRACE_S, HURRY_S, escalate, signal_group
 
 _PREFIX = re.compile(r"^\[dptui-rank (\d+)\]:")
 OWNED = "The script owns its {}: change it in the script."
@@ -262,33 +262,7 @@ class DdpRun(Publisher):
 
     def _escalate(self) -> None:
         """The stop signal to torchrun (it passes it to its ranks), SIGTERM after the grace, then SIGKILL."""
-        proc = self._proc
-        for signum in (self._stop_signal, signal.SIGTERM):
-            self._signal_launcher(signum)
-            if _ended_within(proc, self._grace_s, unless=self._hurry):
-                return
-            if self._hurry.is_set():
-                self._signal_launcher(signal.SIGTERM)
-                if _ended_within(proc, HURRY_S):
-                    return
-                break
-        self.kill()
+        escalate(self._proc, self._signal_launcher, self._stop_signal, self._grace_s, self._hurry, self.kill)
 
     def _signal_launcher(self, signum: int) -> None:
-        proc = self._proc
-        if proc is None:
-            return
-        try:
-            os.killpg(proc.pid, signum)  # torchrun leads its own session; its ranks lead theirs
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-def _ended_within(proc: subprocess.Popen, seconds: float, unless: threading.Event | None = None) -> bool:
-    deadline = time.monotonic() + seconds
-    while proc.poll() is None:
-        left = deadline - time.monotonic()
-        if left <= 0 or (unless is not None and unless.is_set()):
-            return False
-        time.sleep(min(left, 0.02))
-    return True
+        signal_group(self._proc, signum)  # torchrun leads its own session; its ranks lead theirs

@@ -43,9 +43,8 @@ from .failure_record import FailureRecord
 from .notices import end_notices
 from .output_lines import OutputLines
 from .rank_hub import RankHub
+from .stopping import GRACE_S, escalate, signal_group
 
-GRACE_S = 5.0  # after SIGINT, then after SIGTERM, before the next signal
-HURRY_S = 1.0  # asked to stop again while stopping: SIGTERM now, SIGKILL this much later
 BATCH_OWNED = "The script owns its batch size: change it in the script."
 
 
@@ -387,37 +386,10 @@ class ScriptRun(Publisher):
 
     def _escalate(self) -> None:
         """SIGINT, SIGTERM after the grace period, SIGKILL after another; hurry() skips to SIGTERM."""
-        proc = self._proc
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            self._signal_group(signum)
-            if self._ended_within(proc, self._grace_s, unless=self._hurry):
-                return
-            if self._hurry.is_set():
-                self._signal_group(signal.SIGTERM)
-                if self._ended_within(proc, HURRY_S):
-                    return
-                break
-        self._signal_group(signal.SIGKILL)
-
-    @staticmethod
-    def _ended_within(proc: subprocess.Popen, seconds: float, unless: threading.Event | None = None) -> bool:
-        """Whether the script ends within `seconds`; False at once when `unless` is set."""
-        deadline = time.monotonic() + seconds
-        while proc.poll() is None:
-            left = deadline - time.monotonic()
-            if left <= 0 or (unless is not None and unless.is_set()):
-                return False
-            time.sleep(min(left, 0.02))
-        return True
+        escalate(self._proc, self._signal_group, signal.SIGINT, self._grace_s, self._hurry, self.kill)
 
     def _signal_group(self, signum: int) -> None:
-        proc = self._proc
-        if proc is None:
-            return
-        try:
-            os.killpg(proc.pid, signum)  # the child leads its own session: its pid is the group's id
-        except (ProcessLookupError, PermissionError):
-            pass  # the group is gone already
+        signal_group(self._proc, signum)
 
     def _send(self, message: dict[str, Any]) -> int:
         """Number the request, send it to the child; its number."""
