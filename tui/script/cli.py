@@ -12,9 +12,9 @@ import importlib.util
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 from ..stdout_pipe import StopOnBrokenPipe, silence_stdout
 from ..usage import EXIT_USAGE, Parser, UsageError, check_json_output, check_log_path, number, open_log
@@ -22,6 +22,9 @@ from ..usage import parse_devices as parse_device_names
 from .events import ScriptNotice
 from .script_run import ScriptRun, ScriptTarget
 from .stopping import GRACE_S
+
+if TYPE_CHECKING:
+    from .ddp_run import DdpRun
 
 USAGE = "dptui run [OPTIONS] (SCRIPT.py | -m MODULE) [ARGS...]"
 DDP_USAGE = ("dptui run --nproc-per-node N [--nnodes M --node-rank K --master-addr A --master-port P | "
@@ -176,7 +179,8 @@ def main(argv: Sequence[str]) -> int:
             for notice in notices:
                 _say_notices(notice)
             return code
-        return _run_headless(run, json_out=args.json)
+        # A signal: SIGINT to the script's group first, whichever came: its own Ctrl-C handling runs.
+        return _run_headless(run, json_out=args.json, stop=lambda signum: run.stop())
     finally:
         run.kill()  # never leave the script's group behind, whatever happened here
         if log is not None:
@@ -203,13 +207,15 @@ def _say_notices(event: object) -> None:
         print(f"dptui: {event.text}", file=sys.stderr, flush=True)
 
 
-def _run_headless(run: ScriptRun, json_out: bool) -> int:
+def _run_headless(run: ScriptRun | DdpRun, json_out: bool, stop: Callable[[int], None]) -> int:
+    """Run with no UI; on stderr dptui's notices and, unless --json, the summary `dptui view
+    --headless` of the --log would print. A first SIGINT or SIGTERM goes to `stop`; a second kills."""
     guard = StopOnBrokenPipe(_json_lines(sys.stdout), run)
     if json_out:
         run.subscribe(guard)
     run.subscribe(_say_notices)  # on stderr: --json keeps stdout to its events
     summary = None
-    if not json_out:  # the sums `dptui view --headless` of the --log would print
+    if not json_out:
         from dpengine.eventlog.summary import RunSummary
 
         summary = RunSummary()
@@ -220,17 +226,20 @@ def _run_headless(run: ScriptRun, json_out: bool) -> int:
         nonlocal signals
         signals += 1
         if signals == 1:
-            run.stop()  # SIGINT to the script's group first: its own Ctrl-C handling runs
+            stop(signum)
         else:
             run.kill()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         run.run()
+    except OSError as error:  # nothing started: one line, not a traceback
+        print(f"dptui run: error: {error}", file=sys.stderr, flush=True)
+        return 1
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-    if summary is not None and summary.steps:  # no step: the notice said why
+    if summary is not None and (summary.steps or summary.ranks()):  # no step: the notice said why
         from ..view.cli import summary_lines
 
         print("\n".join(summary_lines(summary)), file=sys.stderr, flush=True)
@@ -239,4 +248,3 @@ def _run_headless(run: ScriptRun, json_out: bool) -> int:
         silence_stdout()
         return 0
     return run.exit_code if run.exit_code is not None else EXIT_USAGE
-

@@ -9,13 +9,11 @@ succeeded; else the first failed rank's (128+N for signal N); 130 after Ctrl-C, 
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 from collections.abc import Sequence
 
-from ..stdout_pipe import StopOnBrokenPipe, silence_stdout
 from ..usage import EXIT_USAGE, Parser, UsageError, check_json_output, number, open_log
-from .cli import DDP_USAGE, _json_lines, _say_notices, parse_target
+from .cli import DDP_USAGE, _json_lines, _run_headless, _say_notices, parse_target
 from .ddp_launch import DdpLaunch, parse_launch, split_options
 from .ddp_run import DdpRun
 from .events import ScriptNotice
@@ -88,48 +86,8 @@ def main(argv: Sequence[str]) -> int:
             for notice in notices:
                 _say_notices(notice)
             return run.exit_code if run.exit_code is not None else code
-        return _run_headless(run, json_out=args.json)
+        return _run_headless(run, json_out=args.json, stop=run.stop)  # through torchrun, to every rank
     finally:
         run.kill()  # never leave torchrun or a rank behind, whatever happened here
         if log is not None:
             log.close()
-
-
-def _run_headless(run: DdpRun, json_out: bool) -> int:
-    guard = StopOnBrokenPipe(_json_lines(sys.stdout), run)
-    if json_out:
-        run.subscribe(guard)
-    run.subscribe(_say_notices)  # on stderr: --json keeps stdout to its events
-    summary = None
-    if not json_out:  # the rows `dptui view --headless` of the --log would print
-        from dpengine.eventlog.summary import RunSummary
-
-        summary = RunSummary()
-        run.subscribe(summary.feed)
-    signals = 0
-
-    def on_signal(signum, frame) -> None:
-        nonlocal signals
-        signals += 1
-        if signals == 1:
-            run.stop(signum)  # through torchrun, which passes it to every rank
-        else:
-            run.kill()
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        run.run()
-    except OSError as error:  # nothing started: one line, not a traceback
-        print(f"dptui run: error: {error}", file=sys.stderr, flush=True)
-        return 1
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-    if summary is not None and summary.ranks():
-        from ..view.cli import summary_lines
-
-        print("\n".join(summary_lines(summary)), file=sys.stderr, flush=True)
-    if guard.broken:
-        silence_stdout()
-        return 0
-    return run.exit_code if run.exit_code is not None else EXIT_USAGE
