@@ -10,18 +10,17 @@ Weights and data are fixed by the seed; timings and telemetry are this machine's
 
 from __future__ import annotations
 
-import asyncio
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 from dpengine.eventlog.events import StepFinished  # noqa: E402
 from dpengine.run.options import RunOptions  # noqa: E402
 from dpengine.run.trainer import Trainer  # noqa: E402
 from dpengine.run.workloads import builtin_workload  # noqa: E402
+from scripts.svg_screenshot import main, save_and_quit, wait_for  # noqa: E402
 from tui.app import DptuiApp  # noqa: E402
 
 PAUSE_AFTER_STEP = 82
@@ -43,35 +42,15 @@ def make_trainer() -> Trainer:
     return trainer
 
 
-async def wait_for(condition, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError("the run did not get there in time")
-        await asyncio.sleep(0.05)
-
-
 async def shoot(output: Path) -> None:
     app = DptuiApp(make_trainer)
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(lambda: app.session.view.state == "paused")
+        await wait_for(lambda: app.session.view.state == "paused", 10)
         # Telemetry comes once a second from its own thread: wait for a sample on every panel.
-        await wait_for(lambda: all(p.view and p.view.sample for p in app.devices.children))
+        await wait_for(lambda: all(p.view and p.view.sample for p in app.devices.children), 10)
         app.refresh_view()
-        await pilot.pause()
-        app.log_view.scroll_end(animate=False, immediate=True)
-        await pilot.pause()
-        output.parent.mkdir(parents=True, exist_ok=True)
-        app.save_screenshot(filename=output.name, path=str(output.parent))
-        await pilot.press("q")
-
-
-def main() -> int:
-    output = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "docs" / "screenshot.svg"
-    asyncio.run(shoot(output))
-    print(output)
-    return 0
+        await save_and_quit(app, pilot, output)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(shoot, "screenshot.svg"))

@@ -7,14 +7,12 @@ while the verdict names rank 1.
 
 from __future__ import annotations
 
-import asyncio
 import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
+from scripts.svg_screenshot import ROOT, main, save_and_quit, wait_for  # noqa: E402
 from tui.view.app import ViewerApp  # noqa: E402
 from tui.widgets.rank_panel import RankPanel  # noqa: E402
 
@@ -23,35 +21,15 @@ SIZE = (120, 34)
 STEP = 30  # from 0: the verdict stands from step 24 to 45
 
 
-async def wait_for(condition, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError("the viewer did not get there in time")
-        await asyncio.sleep(0.05)
-
-
 async def shoot(output: Path) -> None:
     app = ViewerApp(LOG)
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(lambda: app.replay.indexing is None and len(app.query(RankPanel)) == 2)
+        await wait_for(lambda: app.replay.indexing is None and len(app.query(RankPanel)) == 2, 30, "the viewer")
         app.replay.move(to=STEP)
         app.refresh_view()
-        await wait_for(lambda: any(p.has_class("-straggler") for p in app.query(RankPanel)))
-        await pilot.pause()
-        app.log_view.scroll_end(animate=False, immediate=True)
-        await pilot.pause()
-        output.parent.mkdir(parents=True, exist_ok=True)
-        app.save_screenshot(filename=output.name, path=str(output.parent))
-        await pilot.press("q")
-
-
-def main() -> int:
-    output = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "docs" / "screenshot-ddp.svg"
-    asyncio.run(shoot(output))
-    print(output)
-    return 0
+        await wait_for(lambda: any(p.has_class("-straggler") for p in app.query(RankPanel)), 30, "the viewer")
+        await save_and_quit(app, pilot, output)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(shoot, "screenshot-ddp.svg"))

@@ -9,18 +9,16 @@ machine's.
 
 from __future__ import annotations
 
-import asyncio
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 from dpengine.eventlog.events import StepFinished  # noqa: E402
 from dpengine.run.options import RunOptions  # noqa: E402
 from dpengine.run.trainer import Trainer  # noqa: E402
 from dpengine.run.workloads import builtin_workload  # noqa: E402
-from scripts.screenshot import wait_for  # noqa: E402
+from scripts.svg_screenshot import main, save_and_quit, wait_for  # noqa: E402
 from tui.app import DptuiApp  # noqa: E402
 
 PAUSE_AFTER_STEP = 40
@@ -42,23 +40,11 @@ def make_trainer() -> Trainer:
 async def shoot(output: Path) -> None:
     app = DptuiApp(make_trainer)
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(lambda: app.session.view.state == "paused", timeout=60)
+        await wait_for(lambda: app.session.view.state == "paused", 60)
         await pilot.press("t")
         app.refresh_view()
-        await pilot.pause()
-        app.log_view.scroll_end(animate=False, immediate=True)
-        await pilot.pause()
-        output.parent.mkdir(parents=True, exist_ok=True)
-        app.save_screenshot(filename=output.name, path=str(output.parent))
-        await pilot.press("q")
-
-
-def main() -> int:
-    output = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "docs" / "screenshot-timeline.svg"
-    asyncio.run(shoot(output))
-    print(output)
-    return 0
+        await save_and_quit(app, pilot, output)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(shoot, "screenshot-timeline.svg"))
