@@ -3,6 +3,7 @@ what each rank records of a DDP script it runs unchanged, and what it says about
 
 from __future__ import annotations
 
+import re
 import statistics
 import subprocess
 import sys
@@ -15,72 +16,9 @@ from waiting import holds_for, wait_for
 
 from dpengine.eventlog.events import RankStepFinished
 
-SLOW_MS = 60
-
-PHASES_SCRIPT = f"""
-import time
-import sys
-
-import torch
-import torch.distributed as dist
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
-
-# Rank 1 is slow in one phase for three steps at a time; steps 0 and 1 are warm-up.
-PLAN = {{2: "data", 3: "data", 4: "data", 5: "forward", 6: "forward", 7: "forward",
-         8: "backward", 9: "backward", 10: "backward", 11: "optimizer", 12: "optimizer", 13: "optimizer"}}
-SLOW = {SLOW_MS} / 1000
-slow = [None]
-
-
-class SlowBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if slow[0] == "backward":
-            time.sleep(SLOW)
-        return grad
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(16, 16)
-        self.b = nn.Linear(16, 1)
-
-    def forward(self, x):
-        if slow[0] == "forward":
-            time.sleep(SLOW)
-        return self.b(SlowBackward.apply(self.a(x)))
-
-
-class SlowSGD(torch.optim.SGD):
-    def step(self, closure=None):
-        if slow[0] == "optimizer":
-            time.sleep(SLOW)
-        return super().step(closure)
-
-
-dist.init_process_group("gloo")
-rank = dist.get_rank()
-torch.manual_seed(rank)
-model = DistributedDataParallel(Net())
-optimizer = SlowSGD(model.parameters(), lr=0.01)
-for step in range(14):
-    slow[0] = PLAN.get(step) if rank == 1 else None
-    if slow[0] == "data":
-        time.sleep(SLOW)
-    x = torch.randn(4, 16)
-    loss = model(x).pow(2).mean()
-    optimizer.zero_grad()
-    loss.backward()
-    optimizer.step()
-    sys.stdout.write(f"loss {{rank}} {{step}} {{loss.item()!r}}\\n")  # one write: torchrun runs python -u
-dist.destroy_process_group()
-"""
+SLOW_RANK_SCRIPT = Path(__file__).parent / "fixtures" / "ranks" / "slow_rank_ddp.py"
+SLOW_MS = 50  # what slow_rank_ddp.py adds to rank 1's phase
+BATCH = 8  # slow_rank_ddp.py's
 
 
 def write(tmp_path: Path, text: str, name: str = "train.py") -> Path:
@@ -90,17 +28,15 @@ def write(tmp_path: Path, text: str, name: str = "train.py") -> Path:
 
 
 def printed_losses(out: str) -> dict[tuple[int, int], float]:
-    losses = {}
-    for line in out.splitlines():
-        if line.startswith("loss "):
-            _, rank, step, value = line.split()
-            losses[int(rank), int(step)] = float(value)
-    return losses
+    """Each `rank R step S loss L` line the ranks printed."""
+    return {(int(rank), int(step)): float(value)
+            for rank, step, value in re.findall(r"^rank (\d+) step (\d+) loss (\S+)$", out, re.MULTILINE)}
 
 
-def test_a_slow_rank_shows_in_the_phase_it_is_slow_in(tmp_path: Path) -> None:
+def test_a_slow_rank_shows_in_the_phase_it_is_slow_in() -> None:
     with RankReceiver() as receiver:
-        code, out, err = finish(torchrun(receiver, write(tmp_path, PHASES_SCRIPT)))
+        # Rank 1 is slow in each phase for three steps in turn (steps 2-4 data ... 11-13 optimizer).
+        code, out, err = finish(torchrun(receiver, SLOW_RANK_SCRIPT, "each", "14"))
         ended(receiver, 2)
         assert code == 0 or all(m["exit_code"] == 0 for m in receiver.of("script_finished")), err
         hellos = receiver.of("hello")
@@ -113,7 +49,7 @@ def test_a_slow_rank_shows_in_the_phase_it_is_slow_in(tmp_path: Path) -> None:
         for step in steps[rank].values():
             fields = {k: v for k, v in step.items() if k != "type"}
             record = RankStepFinished(**fields)  # the message is the event's shape
-            assert record.samples == 4 and record.micro_batches == 1
+            assert record.samples == BATCH and record.micro_batches == 1
             phases = (record.data_ms + record.forward_ms + record.backward_ms + record.comm_wait_ms
                       + record.optimizer_ms + record.other_ms)
             assert phases == pytest.approx(record.total_ms, abs=0.01)
@@ -189,7 +125,7 @@ for step in range(6):
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad()
-    sys.stdout.write(f"loss {rank} {step} {total!r}\\n")
+    sys.stdout.write(f"rank {rank} step {step} loss {total!r}\\n")
 sys.stdout.write(f"hook calls {rank} {len(calls)}\\n")
 dist.destroy_process_group()
 """
@@ -334,7 +270,7 @@ for step in range(1, 4):
     optimizer.zero_grad()
     loss.backward()
     optimizer.step()
-    sys.stdout.write(f"loss {dist.get_rank()} {step} {loss.item()!r}\\n")
+    sys.stdout.write(f"rank {dist.get_rank()} step {step} loss {loss.item()!r}\\n")
 copy = pickle.loads(pickle.dumps(model))
 assert type(copy) is type(model) and sorted(copy.state_dict()) == sorted(model.state_dict())
 dist.destroy_process_group()
@@ -378,7 +314,7 @@ for step in range(5):
     scaler.update()
     optimizer.zero_grad()
 for step, loss in enumerate(losses):
-    sys.stdout.write(f"loss {dist.get_rank()} {step} {loss.item()!r}\\n")
+    sys.stdout.write(f"rank {dist.get_rank()} step {step} loss {loss.item()!r}\\n")
 dist.destroy_process_group()
 """
 
