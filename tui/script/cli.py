@@ -171,14 +171,7 @@ def main(argv: Sequence[str]) -> int:
             trace = TraceFile(args.trace)
             run.subscribe(trace)
         if not args.headless:
-            from .app import run_script_app
-
-            notices: list[ScriptNotice] = []  # said once the UI has given the terminal back
-            run.subscribe(lambda event: notices.append(event) if isinstance(event, ScriptNotice) else None)
-            code = run_script_app(run)
-            for notice in notices:
-                _say_notices(notice)
-            return code
+            return _run_app(run)
         # A signal: SIGINT to the script's group first, whichever came: its own Ctrl-C handling runs.
         return _run_headless(run, json_out=args.json, stop=lambda signum: run.stop())
     finally:
@@ -205,6 +198,18 @@ def _say_notices(event: object) -> None:
     """What dptui has to say about the script, one line each on stderr."""
     if isinstance(event, ScriptNotice):
         print(f"dptui: {event.text}", file=sys.stderr, flush=True)
+
+
+def _run_app(run: ScriptRun | DdpRun) -> int:
+    """The UI over the run; dptui's notices go to stderr once it has given the terminal back."""
+    from .app import run_script_app
+
+    notices: list[ScriptNotice] = []
+    run.subscribe(lambda event: notices.append(event) if isinstance(event, ScriptNotice) else None)
+    code = run_script_app(run)
+    for notice in notices:
+        _say_notices(notice)
+    return code
 
 
 def _run_headless(run: ScriptRun | DdpRun, json_out: bool, stop: Callable[[int], None]) -> int:

@@ -13,10 +13,9 @@ import sys
 from collections.abc import Sequence
 
 from ..usage import EXIT_USAGE, Parser, UsageError, check_json_output, number, open_log
-from .cli import DDP_USAGE, _json_lines, _run_headless, _say_notices, parse_target
+from .cli import DDP_USAGE, _json_lines, _run_app, _run_headless, parse_target
 from .ddp_launch import DdpLaunch, parse_launch, split_options
 from .ddp_run import DdpRun
-from .events import ScriptNotice
 from .stopping import GRACE_S
 
 # dptui's own options here, each with whether it takes a value; every other option is torchrun's.
@@ -78,13 +77,7 @@ def main(argv: Sequence[str]) -> int:
         if log is not None:
             run.subscribe(_json_lines(log))
         if not args.headless:
-            from .app import run_script_app
-
-            notices: list[ScriptNotice] = []  # said once the UI has given the terminal back
-            run.subscribe(lambda event: notices.append(event) if isinstance(event, ScriptNotice) else None)
-            code = run_script_app(run)
-            for notice in notices:
-                _say_notices(notice)
+            code = _run_app(run)
             return run.exit_code if run.exit_code is not None else code
         return _run_headless(run, json_out=args.json, stop=run.stop)  # through torchrun, to every rank
     finally:
