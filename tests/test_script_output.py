@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import io
+import os
+import threading
+
 from rich.text import Text
 
-from tui.script.output_lines import OutputLines
+from tui.script.output_lines import OutputLines, read_lines
 from tui.script.safe_text import safe_text
 
 
@@ -19,6 +23,27 @@ class Clock:
 def collect(clock: Clock) -> tuple[OutputLines, list[tuple[str, bool]]]:
     out: list[tuple[str, bool]] = []
     return OutputLines(lambda line, cr: out.append((line, cr)), interval=0.25, clock=clock), out
+
+
+class BrokenCopy(io.BytesIO):
+    def write(self, data) -> int:
+        raise OSError("the terminal went away")
+
+
+def test_read_lines_feeds_a_pipe_to_the_end_copying_each_chunk_until_the_copy_fails():
+    for copy in (io.BytesIO(), BrokenCopy()):
+        read_fd, write_fd = os.pipe()
+        out: list[tuple[str, bool]] = []
+        reader = threading.Thread(target=read_lines, args=(os.fdopen(read_fd, "rb"),
+                                                            OutputLines(lambda line, cr: out.append((line, cr))), copy))
+        reader.start()
+        os.write(write_fd, b"first\nsec")
+        os.write(write_fd, b"ond\nleft open")
+        os.close(write_fd)
+        reader.join(timeout=10)
+        assert not reader.is_alive()
+        assert out == [("first", False), ("second", False), ("left open", False)]  # a failed copy loses no line
+        assert copy.getvalue() == (b"" if isinstance(copy, BrokenCopy) else b"first\nsecond\nleft open")
 
 
 def test_lines_pass_as_written_and_a_line_left_open_ends_with_the_stream():

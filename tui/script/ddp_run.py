@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import re
-import select
 import signal
 import subprocess
 import threading
@@ -29,7 +28,7 @@ from .ddp_launch import LINE_PREFIX_ENV, LINE_PREFIX_TEMPLATE, DdpLaunch
 from .events import ScriptExited, ScriptOutput, ScriptStarted
 from .failure_record import FailureRecord
 from .node_link import node_channel, node_token
-from .output_lines import OutputLines
+from .output_lines import OutputLines, read_lines
 from .rank_hub import RankHub
 from .stopping import GRACE_S, HURRY_S, escalate, signal_group
 
@@ -207,27 +206,8 @@ class DdpRun(Publisher):
         return TelemetryPoller(self._hub.telemetry, self._hub.on_samples, self._telemetry_interval).start()
 
     def _read_output(self, stream: IO[bytes], name: str) -> None:
-        lines = OutputLines(lambda line, cr: self._on_output(name, line, cr))
-        fd = stream.fileno()
         passing = self._stderr_to if name == "stderr" and not self._capture else None
-        with stream:
-            while True:
-                due = lines.due()
-                wait = None if due is None else max(0.0, due - time.monotonic())
-                if not select.select([fd], [], [], wait)[0]:
-                    lines.tick()
-                    continue
-                data = os.read(fd, 1 << 16)
-                if not data:
-                    break
-                if passing is not None:
-                    try:
-                        passing.write(data)
-                        passing.flush()
-                    except (OSError, ValueError):
-                        passing = None
-                lines.feed(data)
-            lines.close()
+        read_lines(stream, OutputLines(lambda line, cr: self._on_output(name, line, cr)), copy_to=passing)
 
     def _on_output(self, stream: str, line: str, cr: bool) -> None:
         match = _PREFIX.match(line)

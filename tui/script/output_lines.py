@@ -10,9 +10,12 @@ as on a terminal, so a shorter redraw keeps the longer one's tail as tqdm expect
 from __future__ import annotations
 
 import codecs
+import os
 import re
+import select
 import time
 from collections.abc import Callable
+from typing import IO
 
 CR_INTERVAL_S = 0.25  # at most 4 states of a progress bar a second
 MAX_LINE_CHARS = 1 << 16  # a line never ended is handed on in pieces of this size
@@ -88,3 +91,27 @@ class OutputLines:
     def _state(self) -> str:
         # A redraw pads with spaces over a longer one; other lines are handed on as written.
         return self._line.rstrip(" ") if self._cr else self._line
+
+
+def read_lines(stream: IO[bytes], lines: OutputLines, copy_to: IO[bytes] | None = None) -> None:
+    """Feed `lines` from a child's pipe until it ends, waking for a bar's newer state when it is due;
+    with `copy_to`, each chunk is written there first, as it comes (until writing there fails)."""
+    fd = stream.fileno()
+    with stream:
+        while True:
+            due = lines.due()  # a bar's newer state waits for its turn: wake up for it
+            wait = None if due is None else max(0.0, due - time.monotonic())
+            if not select.select([fd], [], [], wait)[0]:
+                lines.tick()
+                continue
+            data = os.read(fd, 1 << 16)
+            if not data:
+                break
+            if copy_to is not None:
+                try:
+                    copy_to.write(data)
+                    copy_to.flush()
+                except (OSError, ValueError):
+                    copy_to = None
+            lines.feed(data)
+        lines.close()

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -41,7 +40,7 @@ from . import spawner
 from .events import DataParallelSeen, ScriptExited, ScriptNotice, ScriptOutput, ScriptStarted, StepsDropped
 from .failure_record import FailureRecord
 from .notices import end_notices
-from .output_lines import OutputLines
+from .output_lines import OutputLines, read_lines
 from .rank_hub import RankHub
 from .stopping import GRACE_S, escalate, signal_group
 
@@ -281,20 +280,7 @@ class ScriptRun(Publisher):
 
     def _read_output(self, stream: IO[bytes], name: str) -> None:
         """Lines as a terminal shows them; a progress bar's line as it stands, a few times a second."""
-        lines = OutputLines(lambda line, cr: self._publish(ScriptOutput(name, line, cr)))
-        fd = stream.fileno()
-        with stream:
-            while True:
-                due = lines.due()  # a bar's newer state waits for its turn: wake up for it
-                wait = None if due is None else max(0.0, due - time.monotonic())
-                if not select.select([fd], [], [], wait)[0]:
-                    lines.tick()
-                    continue
-                data = os.read(fd, 1 << 16)
-                if not data:
-                    break
-                lines.feed(data)
-            lines.close()
+        read_lines(stream, OutputLines(lambda line, cr: self._publish(ScriptOutput(name, line, cr))))
 
     def _read_events(self, fd: int) -> None:
         with os.fdopen(fd, "rb") as pipe:
