@@ -11,16 +11,13 @@ Weights and data are fixed by the seed; timings and telemetry are this machine's
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from dpengine.eventlog.events import StepFinished  # noqa: E402
 from dpengine.run.options import RunOptions  # noqa: E402
 from dpengine.run.trainer import Trainer  # noqa: E402
-from dpengine.run.workloads import builtin_workload  # noqa: E402
-from scripts.svg_screenshot import main, save_and_quit, wait_for  # noqa: E402
+from scripts.svg_screenshot import main, paused_trainer, save_and_quit, wait_for  # noqa: E402
 from tui.app import DptuiApp  # noqa: E402
 
 PAUSE_AFTER_STEP = 82
@@ -29,17 +26,7 @@ SIZE = (120, 40)
 
 
 def make_trainer() -> Trainer:
-    options = RunOptions(batch_size=30, epochs=None, seed=0)
-    trainer = Trainer(builtin_workload("seed", seed=0), ["cpu:0", "cpu:1", "cpu:2"], options)
-
-    def pace_then_pause(event) -> None:
-        if isinstance(event, StepFinished):
-            time.sleep(STEP_DELAY_S)
-            if event.step == PAUSE_AFTER_STEP:
-                trainer.pause()  # takes effect at the next step boundary: a fixed step count
-
-    trainer.subscribe(pace_then_pause)
-    return trainer
+    return paused_trainer("seed", RunOptions(batch_size=30, epochs=None, seed=0), PAUSE_AFTER_STEP, STEP_DELAY_S)
 
 
 async def shoot(output: Path) -> None:

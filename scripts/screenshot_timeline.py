@@ -14,11 +14,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from dpengine.eventlog.events import StepFinished  # noqa: E402
 from dpengine.run.options import RunOptions  # noqa: E402
 from dpengine.run.trainer import Trainer  # noqa: E402
-from dpengine.run.workloads import builtin_workload  # noqa: E402
-from scripts.svg_screenshot import main, save_and_quit, wait_for  # noqa: E402
+from scripts.svg_screenshot import main, paused_trainer, save_and_quit, wait_for  # noqa: E402
 from tui.app import DptuiApp  # noqa: E402
 
 PAUSE_AFTER_STEP = 40
@@ -26,15 +24,7 @@ SIZE = (100, 30)
 
 
 def make_trainer() -> Trainer:
-    options = RunOptions(epochs=None, seed=0, balance=(1.0, 1.0, 2.0))
-    trainer = Trainer(builtin_workload("mlp", seed=0), ["cpu:0", "cpu:1", "cpu:2"], options)
-
-    def pause(event) -> None:
-        if isinstance(event, StepFinished) and event.step == PAUSE_AFTER_STEP:
-            trainer.pause()  # takes effect at the next step boundary: a fixed step count
-
-    trainer.subscribe(pause)
-    return trainer
+    return paused_trainer("mlp", RunOptions(epochs=None, seed=0, balance=(1.0, 1.0, 2.0)), PAUSE_AFTER_STEP)
 
 
 async def shoot(output: Path) -> None:

@@ -8,8 +8,33 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dpengine.run.options import RunOptions
+    from dpengine.run.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def paused_trainer(workload: str, options: RunOptions, pause_after: int, step_delay_s: float = 0.0) -> Trainer:
+    """A built-in workload (seed 0) on three virtual CPU devices that pauses after step `pause_after`
+    (at the next step boundary: a fixed step count), each step slowed by `step_delay_s`."""
+    from dpengine.eventlog.events import StepFinished
+    from dpengine.run.trainer import Trainer
+    from dpengine.run.workloads import builtin_workload
+
+    trainer = Trainer(builtin_workload(workload, seed=0), ["cpu:0", "cpu:1", "cpu:2"], options)
+
+    def pace_then_pause(event) -> None:
+        if isinstance(event, StepFinished):
+            if step_delay_s:
+                time.sleep(step_delay_s)
+            if event.step == pause_after:
+                trainer.pause()
+
+    trainer.subscribe(pace_then_pause)
+    return trainer
 
 
 async def wait_for(condition: Callable[[], object], timeout: float, what: str = "the run") -> None:
