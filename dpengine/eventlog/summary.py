@@ -23,6 +23,7 @@ from .events import (
     StragglerCleared,
     StragglerFound,
 )
+from .units import ms, size
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,28 +224,8 @@ def verdict_words(event: StragglerFound | StragglerCleared) -> str:
     """`step 24: rank 1 is the straggler: data +48.0 ms/step over 20 steps`, or its end."""
     if isinstance(event, StragglerCleared):
         return f"step {event.step}: no straggler any more"
-    return (f"step {event.step}: rank {event.rank} is the straggler: {event.phase} +{_ms(event.excess_ms)} ms/step "
+    return (f"step {event.step}: rank {event.rank} is the straggler: {event.phase} +{ms(event.excess_ms)} ms/step "
             f"over {event.window} steps")
-
-
-def _ms(value: float | None) -> str:
-    """Three significant figures, as the UI shows times: 0.123, 12.3, 123; "–" for none."""
-    if value is None or not math.isfinite(value):
-        return "–"
-    if value < 10:
-        return f"{value:.3f}" if value < 1 else f"{value:.2f}"
-    return f"{value:.1f}" if value < 100 else f"{value:.0f}"
-
-
-def _size(n: int | None) -> str:
-    if n is None:
-        return "–"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024:
-            return f"{value:.0f} B" if unit == "B" else f"{value:.1f} {unit}" if value < 100 else f"{value:.0f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB" if value < 100 else f"{value:.0f} TiB"
 
 
 def rank_lines(summary: RunSummary) -> list[str]:
@@ -254,9 +235,9 @@ def rank_lines(summary: RunSummary) -> list[str]:
     for r in summary.ranks():
         loss = "–" if r.loss is None else f"{r.loss:.4f}"
         local = "–" if r.local_rank is None else str(r.local_rank)
-        phases = (_ms(r.phase_ms[p]) for p in STEP_PHASES)
-        rows.append((str(r.rank), r.host or "–", local, r.device or "–", str(r.steps), *phases, _ms(r.total_ms),
-                     _ms(r.own_ms), loss, _size(r.peak_memory_bytes), r.end or "–"))
+        phases = (ms(r.phase_ms[p]) for p in STEP_PHASES)
+        rows.append((str(r.rank), r.host or "–", local, r.device or "–", str(r.steps), *phases, ms(r.total_ms),
+                     ms(r.own_ms), loss, size(r.peak_memory_bytes), r.end or "–"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     left = {0, 1, 3, len(widths) - 1}  # rank, host, device, end: words; the rest numbers
     lines = [
