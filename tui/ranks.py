@@ -22,8 +22,6 @@ from dpengine.eventlog.events import RankEnded, RankJoined, RankStepFinished, St
 from dpengine.eventlog.summary import STEP_PHASES, rank_end_words
 from dpengine.telemetry.sample import DeviceSample, rank_device
 
-from . import format as fmt
-
 # A step's phases in the order they happen, with the short names the panels show.
 PHASES = STEP_PHASES
 PHASE_LABELS = {"data": "data", "forward": "fwd", "backward": "bwd", "comm_wait": "wait", "optimizer": "opt",
@@ -52,12 +50,6 @@ class RankView:
 def phase_ms(step: RankStepFinished) -> dict[str, float]:
     """The step's phases in ms, in order (a missing or bad value counts 0)."""
     return {phase: _number(getattr(step, f"{phase}_ms")) for phase in PHASES}
-
-
-def straggler_line(verdict: StragglerFound) -> str:
-    """`rank 1 is the straggler: data +48 ms/step over 20 steps`."""
-    return (f"rank {verdict.rank} is the straggler: {verdict.phase} +{fmt.ms(verdict.excess_ms)} ms/step "
-            f"over {verdict.window} steps")
 
 
 def cleared_line(event: StragglerCleared) -> str:

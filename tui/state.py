@@ -32,12 +32,13 @@ from dpengine.eventlog.events import (
     StragglerFound,
     TelemetrySampled,
 )
+from dpengine.eventlog.summary import verdict_words
 from dpengine.records import ReplicaRecord
 from dpengine.telemetry.sample import DeviceSample
 
 from . import event_text as text
+from .ranks import RankBoard, RankView, cleared_line, ended_line, joined_line
 from .step_times import RankSteps, ShownStep
-from .ranks import RankBoard, RankView, cleared_line, ended_line, joined_line, straggler_line
 
 EMA_ALPHA = 0.2
 HISTORY_POINTS = 240  # loss and throughput; a Sparkline folds them to its width
@@ -284,7 +285,7 @@ class RunView:
 
     def _on_straggler(self, event: StragglerFound) -> None:
         self._ranks.found(event)
-        self._event(f"step {event.step}: {straggler_line(event)}", "error")
+        self._event(verdict_words(event), "error")
 
     def _on_straggler_cleared(self, event: StragglerCleared) -> None:
         self._ranks.clear(event)

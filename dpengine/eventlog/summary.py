@@ -224,8 +224,12 @@ def verdict_words(event: StragglerFound | StragglerCleared) -> str:
     """`step 24: rank 1 is the straggler: data +48.0 ms/step over 20 steps`, or its end."""
     if isinstance(event, StragglerCleared):
         return f"step {event.step}: no straggler any more"
-    return (f"step {event.step}: rank {event.rank} is the straggler: {event.phase} +{ms(event.excess_ms)} ms/step "
-            f"over {event.window} steps")
+    return f"step {event.step}: {straggler_words(event)}"
+
+
+def straggler_words(event: StragglerFound) -> str:
+    """`rank 1 is the straggler: data +48.0 ms/step over 20 steps`."""
+    return f"rank {event.rank} is the straggler: {event.phase} +{ms(event.excess_ms)} ms/step over {event.window} steps"
 
 
 def rank_lines(summary: RunSummary) -> list[str]:

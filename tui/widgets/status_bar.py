@@ -9,8 +9,9 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
+from dpengine.eventlog.summary import straggler_words
+
 from .. import format as fmt
-from ..ranks import straggler_line
 from ..state import Snapshot
 
 STATE_STYLES = {
@@ -30,7 +31,7 @@ def verdict_text(snap: Snapshot) -> Text | None:
     if not snap.ranks:
         return None
     if snap.straggler is not None:
-        return Text(f"⚠ {straggler_line(snap.straggler)}", style="bold yellow")
+        return Text(f"⚠ {straggler_words(snap.straggler)}", style="bold yellow")
     if snap.straggler_cleared is not None:
         return Text(f"no straggler (cleared at step {snap.straggler_cleared.step})", style="dim")
     return Text("no straggler", style="dim")
