@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from textual.containers import VerticalScroll
 
@@ -21,24 +21,21 @@ class DeviceGrid(VerticalScroll):
         """Update the panels; rebuild them only when the run's available devices change."""
         if not views or self._ranks_shown:
             return  # starting: keep the last run's panels until the new one says what it has
-        panels = list(self.query_children(DevicePanel))
-        if [p.view.device for p in panels if p.view] != [v.device for v in views]:
-            self.remove_children()
-            self.mount_all(DevicePanel(v) for v in views)
-            self._reflow(len(views))
-            return
-        for panel, view in zip(panels, views):
-            panel.show(view)
+        self._show_panels(DevicePanel, views, lambda view: view.device)
 
     def show_ranks(self, views: Sequence[RankView]) -> None:
         """A DDP run's: one panel per rank instead of the device panels (each rank's device is in its panel)."""
         if not views:
             return
         self._ranks_shown = True
-        panels = list(self.query_children(RankPanel))
-        if [p.view.rank for p in panels if p.view] != [v.rank for v in views]:
+        self._show_panels(RankPanel, views, lambda view: view.rank)
+
+    def _show_panels(self, panel_class: type[DevicePanel | RankPanel], views: Sequence, key: Callable) -> None:
+        """Update the panels in place; mount them afresh when the views' keys (devices, ranks) change."""
+        panels = list(self.query_children(panel_class))
+        if [key(p.view) for p in panels if p.view] != [key(v) for v in views]:
             self.remove_children()
-            self.mount_all(RankPanel(v) for v in views)
+            self.mount_all(panel_class(v) for v in views)
             self._reflow(len(views))
             return
         for panel, view in zip(panels, views):
