@@ -10,7 +10,7 @@ shows a change as pending until the event carrying its request number comes.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from .state import RunView
@@ -51,18 +51,25 @@ class Session:
             return "The run has ended; press r to restart it."
         return trainer
 
-    def toggle_pause(self) -> str | None:
+    def _steer(self, send: Callable[[Run], int], refused: str | None = None, **asked) -> str | None:
+        """Send a change to the run: None once sent (the view shows `asked` pending until the run's
+        answer), else why not; `refused`, the caller's own reason, once the run is steerable."""
         trainer = self._steerable()
         if isinstance(trainer, str):
             return trainer
+        if refused is not None:
+            return refused
         try:
-            if self.view.target_paused():
-                self.view.request(trainer.resume(), state="running")
-            else:
-                self.view.request(trainer.pause(), state="paused")
+            number = send(trainer)
         except ValueError as err:
             return str(err)
+        self.view.request(number, **asked)
         return None
+
+    def toggle_pause(self) -> str | None:
+        if self.view.target_paused():
+            return self._steer(lambda run: run.resume(), state="running")
+        return self._steer(lambda run: run.pause(), state="paused")
 
     def pause_deadline(self) -> float | None:
         """While the run is paused: when (time.monotonic()) staying paused would fail it, if the run
@@ -73,17 +80,8 @@ class Session:
         return deadline() if callable(deadline) else None
 
     def set_batch_size(self, n: int) -> str | None:
-        trainer = self._steerable()
-        if isinstance(trainer, str):
-            return trainer
-        if n < 1:
-            return "The batch size must be at least 1."
-        try:
-            number = trainer.set_batch_size(n)
-        except ValueError as err:
-            return str(err)
-        self.view.request(number, batch_size=n)
-        return None
+        refused = "The batch size must be at least 1." if n < 1 else None
+        return self._steer(lambda run: run.set_batch_size(n), refused, batch_size=n)
 
     def scale_batch_size(self, factor: float) -> str | None:
         current = self.view.target_batch_size()
@@ -101,15 +99,8 @@ class Session:
         return self._set_balance(tuple(weights))
 
     def _set_balance(self, balance) -> str | None:
-        trainer = self._steerable()
-        if isinstance(trainer, str):
-            return trainer
-        try:
-            number = trainer.set_balance(balance)
-        except ValueError as err:
-            return str(err)
-        self.view.request(number, balance=balance if isinstance(balance, str) else "weights")
-        return None
+        return self._steer(lambda run: run.set_balance(balance),
+                           balance=balance if isinstance(balance, str) else "weights")
 
     def toggle_device(self, index: int) -> str | None:
         available = self.view.available_devices
@@ -124,14 +115,5 @@ class Session:
         return self.set_devices([d for d in available if d in chosen])
 
     def set_devices(self, devices: Sequence[str]) -> str | None:
-        trainer = self._steerable()
-        if isinstance(trainer, str):
-            return trainer
-        if not devices:
-            return "Choose at least one device."
-        try:
-            number = trainer.set_devices(devices)
-        except ValueError as err:
-            return str(err)
-        self.view.request(number, devices=devices)
-        return None
+        refused = None if devices else "Choose at least one device."
+        return self._steer(lambda run: run.set_devices(devices), refused, devices=devices)
