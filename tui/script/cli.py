@@ -54,9 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--telemetry-interval", type=number("telemetry interval", at_least=0.2),
                         default=1.0, metavar="S", help="seconds between device samples, >= 0.2 (default 1)")
     parser.add_argument("--no-telemetry", action="store_true", help="do not poll device telemetry")
+    add_grace(parser)
+    return parser
+
+
+def add_grace(parser: argparse.ArgumentParser) -> None:
+    """--grace, the same for a script and a DDP script."""
     parser.add_argument("--grace", type=number("--grace", at_least=0.0), default=GRACE_S, metavar="S",
                         help=f"seconds after SIGINT, then after SIGTERM, before stopping harder (default {GRACE_S:g})")
-    return parser
 
 
 def _split(argv: Sequence[str]) -> tuple[list[str], list[str]]:

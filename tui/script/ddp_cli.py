@@ -13,10 +13,9 @@ import sys
 from collections.abc import Sequence
 
 from ..usage import EXIT_USAGE, Parser, UsageError, check_json_output, number, open_log
-from .cli import DDP_USAGE, _json_lines, _run_app, _run_headless, parse_target
+from .cli import DDP_USAGE, _json_lines, _run_app, _run_headless, add_grace, parse_target
 from .ddp_launch import DdpLaunch, parse_launch, split_options
 from .ddp_run import DdpRun
-from .stopping import GRACE_S
 
 # dptui's own options here, each with whether it takes a value; every other option is torchrun's.
 OPTIONS = {"--headless": False, "--json": False, "--log": True, "--grace": True, "--telemetry-interval": True,
@@ -44,8 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
                         default=1.0, metavar="S", help="seconds between samples of each rank's device or "
                         "process, >= 0.2 (default 1)")
     parser.add_argument("--no-telemetry", action="store_true", help="do not sample the ranks")
-    parser.add_argument("--grace", type=number("--grace", at_least=0.0), default=GRACE_S, metavar="S",
-                        help=f"seconds after SIGINT, then after SIGTERM, before stopping harder (default {GRACE_S:g})")
+    add_grace(parser)
     return parser
 
 
