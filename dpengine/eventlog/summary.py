@@ -227,15 +227,6 @@ def verdict_words(event: StragglerFound | StragglerCleared) -> str:
             f"over {event.window} steps")
 
 
-def _ms(value: float | None) -> str:
-    """Three significant figures, as the UI shows times: 0.123, 12.3, 123; "–" for none."""
-    if value is None or not math.isfinite(value):
-        return "–"
-    if value < 10:
-        return f"{value:.3f}" if value < 1 else f"{value:.2f}"
-    return f"{value:.1f}" if value < 100 else f"{value:.0f}"
-
-
 def _size(n: int | None) -> str:
     if n is None:
         return "–"
