@@ -7,6 +7,7 @@ import random
 
 from ui_fakes import step_event
 
+from dpengine.eventlog.events import RankStepFinished
 from dpengine.eventlog.phases import (
     InputBoundWatch,
     StepPhases,
@@ -14,7 +15,6 @@ from dpengine.eventlog.phases import (
     input_bound_words,
     rank_step_phases,
 )
-from dpengine.eventlog.events import RankStepFinished
 
 COMPUTE = dict(forward_ms=12.0, backward_ms=20.0, optimizer_ms=3.0, other_ms=1.0)
 
