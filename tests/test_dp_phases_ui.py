@@ -25,6 +25,10 @@ DEVICES = ("cpu:0", "cpu:1")
 PHASES_LINE = re.compile(r"step (\d+): data ([\d.]+) · fwd [\d.]+ · bwd [\d.]+ · opt [\d.]+ · oth [\d.]+ ms")
 
 
+def screen_text(widget) -> str:
+    return "\n".join(widget.render_line(y).text for y in range(widget.size.height))
+
+
 def status_lines(app) -> list[str]:
     return status(app).splitlines()
 
@@ -58,6 +62,20 @@ async def test_dptui_run_shows_a_slow_input_script_s_phases_and_says_it_is_input
         await until(lambda: "script exited 0" in status(app), what="the script's end", timeout=60)
         assert "⚠ input-bound" in status(app) and PHASES_LINE.search(status(app)).group(1) == "80"
         fits_80x24(app)
+
+        # The timeline (t): the data wait before the step, the optimizer after its backward, on every row.
+        await press(app, "t")
+        await until(lambda: app.timeline.display and app.timeline.timeline is not None, what="the timeline")
+        timeline = app.timeline.timeline
+        assert timeline.title == "timeline · step 80" and not timeline.approximate
+        for row in timeline.rows:
+            kinds = [s.kind for s in row.spans]
+            assert kinds[0] == "data" and kinds[-1] == "optimizer" and "backward" in kinds
+            data, optimizer = row.spans[0], row.spans[-1]
+            backward = next(s for s in row.spans if s.kind == "backward")
+            assert data.start_ms == 0 and data.duration_ms >= 40 and optimizer.start_ms >= backward.end_ms
+        await until(lambda: re.search(r"data \d+\.\d ms", screen_text(app.timeline)) is not None,
+                    what="the data bar's label at 80 columns")
         await quit_app(app)
     assert run.wait(30) and run.exit_code == 0
 
@@ -75,7 +93,8 @@ def script_log(path: Path) -> None:
     for n in range(1, 41):
         event = step_event(n, 1, n, 40, 10, DEVICES)
         record = dataclasses.replace(event.record, total_ms=12.0, backward_ms=20.0, backward_start_ms=13.0,
-                                     data_ms=None if n == 1 else 4.0 if n <= 10 else 50.0, optimizer_ms=3.0)
+                                     data_ms=None if n == 1 else 4.0 if n <= 10 else 50.0, optimizer_ms=3.0,
+                                     optimizer_start_ms=34.0)
         events.append(dataclasses.replace(event, record=record, instance=instance))
     out = io.StringIO()
     writer = JsonLinesWriter(out)
@@ -108,4 +127,8 @@ async def test_dptui_view_shows_the_shown_step_s_phases_and_input_bound_from_the
         await press(app, "right")
         await until(lambda: "step 25 of 40" in status(app), "step 25")
         assert "⚠ input-bound: data 38.5 ms/step of 74.5 ms over 20 steps" in status_lines(app)  # 15 of 20
+        await press(app, "t")  # the shown step's timeline: its data and optimizer bars
+        await until(lambda: app.timeline.display and "data 50.0 ms" in screen_text(app.timeline), "the data bar")
+        assert app.timeline.border_title == "timeline · step 25"
+        assert [s.kind for s in app.timeline.timeline.rows[0].spans][-1] == "optimizer"
         await quit_app(app)
