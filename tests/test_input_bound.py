@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 
 from ui_fakes import step_event
@@ -79,6 +80,9 @@ def test_a_dataparallel_step_has_a_ddp_rank_s_phases():
     assert dp_step_phases(7, dataclasses.replace(record, data_ms=None)) is None  # not under dptui run
     no_optimizer = dataclasses.replace(record, optimizer_ms=None, backward_start_ms=None)
     assert dp_step_phases(7, no_optimizer).ms == (48.0, 12.0, 20.0, 0.0, 0.0)
+    # A damaged log's NaN: no data time is no step to judge; another phase's counts 0.
+    assert dp_step_phases(7, dataclasses.replace(record, data_ms=math.nan)) is None
+    assert dp_step_phases(7, dataclasses.replace(record, optimizer_ms=math.inf)).optimizer_ms == 0.0
 
 
 def test_a_rank_step_s_phases_leave_its_comm_wait_out():

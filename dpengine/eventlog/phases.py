@@ -63,14 +63,19 @@ def rank_step_phases(step: RankStepFinished) -> StepPhases:
 def dp_step_phases(step: int, record: StepRecord) -> StepPhases | None:
     """A DataParallel step's phases; None where the script's were not recorded (outside `dptui run`,
     or its DataParallel's first step, which has no previous step to wait since)."""
-    if record.data_ms is None:
+    data = _finite(record.data_ms)
+    if data is None:
         return None
-    other = 0.0
-    if record.backward_start_ms is not None:
-        other = max(record.backward_start_ms - record.total_ms, 0.0)
-    return StepPhases(step, data_ms=record.data_ms, forward_ms=record.total_ms,
-                      backward_ms=record.backward_ms or 0.0, optimizer_ms=record.optimizer_ms or 0.0,
-                      other_ms=other)
+    forward = _finite(record.total_ms) or 0.0
+    backward_start = _finite(record.backward_start_ms)
+    other = max(backward_start - forward, 0.0) if backward_start is not None else 0.0
+    return StepPhases(step, data_ms=data, forward_ms=forward, backward_ms=_finite(record.backward_ms) or 0.0,
+                      optimizer_ms=_finite(record.optimizer_ms) or 0.0, other_ms=other)
+
+
+def _finite(value: float | None) -> float | None:
+    """A time as recorded, or None where it is not (a damaged log reads NaN)."""
+    return value if value is not None and math.isfinite(value) else None
 
 
 @dataclass(frozen=True, slots=True)
