@@ -15,6 +15,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from ..records import StepRecord
 from .events import (
     RankEnded,
     RankJoined,
@@ -108,9 +109,9 @@ class _DpPhaseSums:
         self.bound_since: int | None = None
         self.bound_data, self.bound_step = _Mean(), _Mean()
 
-    def add(self, step: int, record) -> None:
+    def add(self, step: int, record: StepRecord) -> None:
         phases = dp_step_phases(step, record)
-        if phases is None or not all(map(math.isfinite, phases.ms)):
+        if phases is None:
             return
         self.steps += 1
         for phase, ms in zip(WORK_PHASES, phases.ms):
@@ -325,8 +326,9 @@ def dp_phase_lines(figures: DpPhaseFigures) -> list[str]:
     steps = f"{figures.steps} step{'' if figures.steps == 1 else 's'}"
     lines = [f"phases per step, means over {steps}: {means} ms"]
     if figures.input_bound_steps:
+        data, step = ms_text(figures.input_bound_data_ms), ms_text(figures.input_bound_step_ms)
         lines.append(f"input-bound in {figures.input_bound_steps} of {steps}, from step {figures.input_bound_since}: "
-                     f"data {ms_text(figures.input_bound_data_ms)} ms/step of {ms_text(figures.input_bound_step_ms)} ms")
+                     f"data {data} ms/step of {step} ms")
     else:
         lines.append("input-bound: no")
     return lines

@@ -5,9 +5,9 @@ A DataParallel step stays one forward and its backward, as the engine records it
 - optimizer_ms: optimizer.step time after its backward, before the next forward (of any DataParallel);
 - loss: the scalar backward was called on (unscaled under a GradScaler), recorded in the step of
   every DataParallel whose backward ran in that call (a GAN's discriminator and generator both).
-A step's end is its backward's end, or the last optimizer step after it. Where the first optimizer step
-began (optimizer_start_ms) is on the host clock, from the forward's start, for the step timeline. The same hooks as a DDP
-rank's phase clock (training_hooks.py) feed it. A finished step is held until its optimizer time
+A step's end is its backward's end, or the last optimizer step after it; where the first optimizer
+step began (optimizer_start_ms, for the step timeline) is on the host clock, from the forward's start.
+The same hooks as a DDP rank's phase clock (training_hooks.py) feed it. A finished step is held until its optimizer time
 is known: until the next DataParallel forward begins, or the script ends.
 """
 
