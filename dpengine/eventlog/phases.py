@@ -6,7 +6,7 @@ the previous step's end to the first forward, and the script's own work there), 
 work, and stays out. A DataParallel step under `dptui run` has the same phases: its record's
 forward (the whole DataParallel forward), its backward (over every replica), the script's
 `data_ms` and `optimizer_ms` (dpengine.script.dp_phases), and `other`, from the forward's return
-to the backward's start (the loss).
+to the replicas' backward's start (the loss, and backward through it and the gather).
 
 The input-bound rule, with the straggler's persistence (dpengine.distributed.straggler): over the
 last WINDOW steps that have phases, the run is input-bound when `data` is the largest phase and at
