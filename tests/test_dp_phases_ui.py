@@ -83,7 +83,7 @@ async def test_dptui_run_shows_a_slow_input_script_s_phases_and_says_it_is_input
 # -- dptui view of a script's log ---------------------------------------------------------------
 
 
-def script_log(path: Path) -> None:
+def script_events() -> list:
     """40 steps of a script's DataParallel: step 1 has no input wait, 2-10 compute-bound, 11-40 input-bound."""
     instance = "DataParallel(Linear, 12 params)@train.py:9"
     config = RunConfig(workload=instance, backend="dptui run", devices=DEVICES, available_devices=DEVICES,
@@ -96,9 +96,13 @@ def script_log(path: Path) -> None:
                                      data_ms=None if n == 1 else 4.0 if n <= 10 else 50.0, optimizer_ms=3.0,
                                      optimizer_start_ms=34.0)
         events.append(dataclasses.replace(event, record=record, instance=instance))
+    return events
+
+
+def script_log(path: Path) -> None:
     out = io.StringIO()
     writer = JsonLinesWriter(out)
-    for event in events:
+    for event in script_events():
         writer(event)
     path.write_text(out.getvalue())
 
