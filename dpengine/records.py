@@ -66,6 +66,9 @@ class StepRecord:
     # time after its backward, before the next forward. None where not recorded.
     data_ms: float | None = None
     optimizer_ms: float | None = None
+    # Where the first of those optimizer steps began, in ms from the DataParallel forward's call, on
+    # the host clock (the timeline draws it there); None where no optimizer stepped, or not recorded.
+    optimizer_start_ms: float | None = None
 
     @property
     def chunk_sizes(self) -> tuple[int, ...]:

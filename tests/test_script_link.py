@@ -136,7 +136,8 @@ def test_a_step_crosses_the_dptui_run_pipe_whole():
     steps = [e.record for e in events if isinstance(e, StepFinished)]
     printed = [e.fields["line"] for e in events if isinstance(e, OtherEvent) and e.type == "output"]
     # As the script saw them, plus what dptui run adds around the step (dp_phases.py).
-    seen = [repr(dataclasses.replace(record, data_ms=None, optimizer_ms=None)) for record in steps]
+    seen = [repr(dataclasses.replace(record, data_ms=None, optimizer_ms=None, optimizer_start_ms=None))
+            for record in steps]
     assert len(steps) == 12 and seen == printed
     assert steps[0].data_ms is None and all(r.data_ms > 0 for r in steps[1:])  # since the previous step
     assert all(r.optimizer_ms == 0.0 for r in steps)  # backward ran, no optimizer stepped

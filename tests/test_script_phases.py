@@ -34,5 +34,9 @@ def test_steps_carry_the_loss_the_input_wait_and_the_optimizer_time():
     assert all(s["engine"]["data_ms"] >= 30 for s in model[1:])  # the script's input wait
     assert all(s["engine"]["optimizer_ms"] > 0 for s in model)
     assert generator[0]["engine"]["optimizer_ms"] == 0.0  # backward ran; no optimizer stepped after it
+    # Where the optimizer began, for the timeline: after the step's backward, on the host clock as it.
+    assert all(s["engine"]["optimizer_start_ms"] >= s["engine"]["backward_start_ms"] + s["engine"]["backward_ms"]
+               for s in model)
+    assert generator[0]["engine"]["optimizer_start_ms"] is None
     finished = [e for e in events if e["type"] == "run_finished"]
     assert finished and finished[0]["final_loss"] == pytest.approx(gan)

@@ -81,7 +81,8 @@ def test_headless_passes_the_scripts_output_through_and_ends_with_the_summary_dp
     printed_loss = lines[1].split()[-1]
     assert summary[0] == (f"DataParallel(Linear, 12 params)@plain_loop.py:23 · dptui run: 2 steps, finished, "
                           f"final loss {printed_loss}")
-    assert [row.split()[:3] for row in summary[2:]] == [["cpu:0", "2", "10"], ["cpu:1", "2", "10"]]
+    assert [row.split()[:3] for row in summary[2:4]] == [["cpu:0", "2", "10"], ["cpu:1", "2", "10"]]
+    assert summary[4].startswith("phases per step, means over 1 step: data ")  # the first has no input wait
 
 
 def test_a_script_that_builds_no_dataparallel_says_so_on_stderr_in_json_and_in_the_log(tmp_path):

@@ -70,3 +70,16 @@ def ddp_scripted(until_step: int) -> tuple[DptuiApp, ScriptedTrainer]:
 def test_ddp_ranks_with_a_straggler(snap_compare, size):
     app, trainer = ddp_scripted(30)
     assert snap_compare(app, terminal_size=size, run_before=played(trainer))
+
+
+# -- a DataParallel script's steps in phases, input-bound (issue 21) -------------------------------
+
+
+def test_a_dataparallel_script_input_bound_at_80x24(snap_compare):
+    """What `dptui view` of a `dptui run` log shows at its last step: the step's phases and the verdict."""
+    from test_dp_phases_ui import script_events
+
+    trainer = ScriptedTrainer(script_events())
+    clock = itertools.count(0.0, 0.05).__next__
+    app = DptuiApp(factory_of(trainer), clock=clock, refresh_interval=3600)
+    assert snap_compare(app, terminal_size=(80, 24), run_before=played(trainer))

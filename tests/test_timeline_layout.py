@@ -68,6 +68,43 @@ def test_a_replica_without_backward_yet_has_no_backward_bar():
     assert timeline.span_ms == pytest.approx(12.5)
 
 
+def test_a_script_s_step_has_its_data_wait_before_it_and_its_optimizer_after_its_backward():
+    # dptui run: 30 ms waiting for input since the previous step, 4 ms of optimizer.step from 35 ms.
+    record = dataclasses.replace(unbalanced_step(), data_ms=30.0, optimizer_ms=4.0, optimizer_start_ms=35.0)
+    timeline = dp_timeline(7, record)
+    assert not timeline.approximate
+    fast = timeline.rows[0].spans
+    assert [s.kind for s in fast] == ["data", "scatter", "replicate", "forward", "wait", "gather", "backward",
+                                      "optimizer"]
+    row = spans(timeline, 0)
+    assert (row["data"].start_ms, row["data"].duration_ms, row["data"].label) == (0.0, 30.0, "data 30.0 ms")
+    assert row["forward"].start_ms == pytest.approx(31.7)  # the step's own phases after the data wait
+    assert (row["wait"].start_ms, row["wait"].end_ms) == pytest.approx((39.7, 49.5))
+    assert (row["optimizer"].start_ms, row["optimizer"].label) == (pytest.approx(65.0), "optimizer 4.0 ms")
+    assert timeline.span_ms == pytest.approx(69.0)
+    # The step's, on every row; the figures under a row stay its own.
+    assert all(spans(timeline, r)["data"] == row["data"] for r in range(3))
+    assert all(spans(timeline, r)["optimizer"] == row["optimizer"] for r in range(3))
+    assert detail_line(timeline, 0, 7).plain.strip() == "fwd 8.0 · waits 9.8 ms for cpu:2 · bwd 6.0"
+    bars = bar_line(timeline, 0, 7, 150).plain
+    assert "data 30.0 ms" in bars and "forward 8.0 ms" in bars and bars.rstrip().endswith("opt")
+
+
+def test_a_script_s_optimizer_without_its_start_follows_the_backward_and_is_approximate():
+    record = dataclasses.replace(unbalanced_step(), data_ms=2.0, optimizer_ms=4.0)
+    timeline = dp_timeline(1, record)
+    assert timeline.approximate
+    assert spans(timeline, 0)["optimizer"].start_ms == pytest.approx(2.0 + 33.7)  # the last backward's end
+
+
+def test_no_optimizer_step_and_no_data_wait_draw_nothing():
+    # The first step has no previous one to wait since; a backward without optimizer.step has 0 ms.
+    record = dataclasses.replace(unbalanced_step(), data_ms=None, optimizer_ms=0.0)
+    timeline = dp_timeline(1, record)
+    assert timeline == dp_timeline(1, unbalanced_step())
+    assert timeline.span_ms == pytest.approx(33.7)
+
+
 def test_ranks_line_up_on_their_allreduce_end_and_the_fast_one_waits_for_the_slow():
     timeline = ddp_timeline(ddp_ranks(5))
     assert timeline.title == "timeline · step 5" and not timeline.approximate

@@ -133,6 +133,37 @@ def test_start_times_where_the_log_has_them_and_no_approximate_mark():
     assert gather["ts"] == pytest.approx(instants[1] + 0.85 * 1000)
 
 
+def test_a_script_s_data_wait_and_optimizer_have_a_track_of_their_own():
+    # dptui run: 3 ms of input wait before each step but the first, 0.5 ms of optimizer from 2.5 ms.
+    events = demo_events(DEVICES, epochs=1)
+    steps = [with_starts(e) for e in events if isinstance(e, StepFinished)]
+    for data in steps:
+        first = data["step"] == 1
+        data["engine"].update(data_ms=None if first else 3.0, optimizer_ms=0.5, optimizer_start_ms=2.5)
+    trace = trace_of([to_json_dict(events[0]), *steps])
+    (process,) = named(trace, "process_name").values()
+    assert APPROXIMATE not in process
+    tracks = {name: tid for (pid, tid), name in named(trace, "thread_name").items()}
+    instants = [e["ts"] for e in trace if e["ph"] == "i"]
+    datas = {e["args"]["step"]: e for e in complete(trace, "data")}
+    assert sorted(datas) == [2, 3, 4] and all(e["tid"] == tracks["script"] for e in datas.values())
+    for step, event in datas.items():  # the step starts with its data wait; its own phases follow
+        assert (event["ts"], event["dur"]) == pytest.approx((instants[step - 1], 3000))
+    gathers = {e["args"]["step"]: e["ts"] for e in complete(trace, "gather")}
+    optimizers = {e["args"]["step"]: e for e in complete(trace, "optimizer")}
+    for step in range(1, 5):
+        lead = 0.0 if step == 1 else 3.0
+        assert gathers[step] == pytest.approx(instants[step - 1] + (lead + 0.85) * 1000)
+        assert optimizers[step]["ts"] == pytest.approx(instants[step - 1] + (lead + 2.5) * 1000)
+        assert optimizers[step]["dur"] == pytest.approx(500) and optimizers[step]["tid"] == tracks["script"]
+    # A log without the optimizer's start: after the step's phases, and the trace says approximate.
+    for data in steps:
+        del data["engine"]["optimizer_start_ms"]
+    trace = trace_of([to_json_dict(events[0]), *steps])
+    (process,) = named(trace, "process_name").values()
+    assert APPROXIMATE in process
+
+
 def rank_step(rank: int, step: int, slow: float = 0.0) -> dict:
     """A DDP rank's step as issue 21's `rank_step` event carries it."""
     phases = dict(data_ms=1.0, forward_ms=5.0 + slow, backward_ms=8.0, comm_wait_ms=2.0 - min(slow, 2.0),

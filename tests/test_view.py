@@ -80,9 +80,13 @@ def test_headless_summary_of_a_dptui_run_log(tmp_path):
     shown = subprocess.run([sys.executable, "-m", "tui.cli", "view", "--headless", str(log)],
                            capture_output=True, text=True, timeout=60)
     assert shown.returncode == 0, shown.stderr
-    rows = {line.split()[0]: line.split() for line in shown.stdout.splitlines()[2:]}
+    *table, phases, bound = shown.stdout.splitlines()[2:]
+    rows = {line.split()[0]: line.split() for line in table}
     assert list(rows) == ["cpu:0", "cpu:1"]
     assert int(rows["cpu:0"][1]) == len(steps)  # one chunk per recorded step
+    # The script's data and optimizer time, from its second step (the first has no input wait).
+    assert phases.startswith(f"phases per step, means over {len(steps) - 1} steps: data ")
+    assert bound == "input-bound: no"  # 3 steps: too few for a verdict
 
 
 def test_headless_summary_of_a_log_still_being_written(tmp_path, capsys):

@@ -33,6 +33,7 @@ from dpengine.eventlog.events import (
     TelemetrySampled,
 )
 from dpengine.eventlog.summary import verdict_words
+from dpengine.eventlog.phases import InputBound, InputBoundWatch, StepPhases, dp_step_phases, input_bound_words
 from dpengine.records import ReplicaRecord
 from dpengine.telemetry.sample import DeviceSample
 
@@ -119,6 +120,10 @@ class Snapshot:
     even_ms: float | None = None  # the same as predicted for an even split (auto-balance only)
     even_ms_unsure: bool = False  # that prediction is a guess: the per-row model fits badly
     timeline: ShownStep | None = None  # the step the timeline (key t) shows: the last one
+    # A `dptui run` script's DataParallel: the last step in phases (with the script's data and optimizer
+    # time), and the input-bound verdict in force (dpengine.eventlog.phases).
+    step_phases: StepPhases | None = None
+    input_bound: InputBound | None = None
 
 
 @dataclass(slots=True)
@@ -170,6 +175,8 @@ class RunView:
         self._last_epoch_logged: float | None = None
         self._failed_device: str | None = None
         self._rank_steps = RankSteps()  # DDP ranks' last steps, for the timeline
+        self._step_phases: StepPhases | None = None
+        self._input_bound = InputBoundWatch()
 
     # -- fed by the trainer's threads -------------------------------------------------
 
@@ -203,6 +210,7 @@ class RunView:
         self._batch_size = config.batch_size
         self._devices = tuple(config.devices)
         self._per_device = {d: _Device() for d in config.available_devices}
+        self._step_phases, self._input_bound = None, InputBoundWatch()
         self._event(text.started_log_line(config) if line is None else line)
 
     def _on_step(self, event: StepFinished) -> None:
@@ -219,10 +227,21 @@ class RunView:
             device.forward_ema = _ema(device.forward_ema, replica.forward_ms)
             device.backward_ema = _ema(device.backward_ema, replica.backward_ms)
             device.step_ms.append(replica.forward_ms + (replica.backward_ms or 0.0))
+        self._judge_phases(event)
         now = self._clock()
         if self.MODEL_LINES and (self._last_logged is None or now - self._last_logged >= LOG_EVERY_S):
             self._last_logged = now
             self._log.extend(LogLine(line) for line in text.model_lines(event))
+
+    def _judge_phases(self, event: StepFinished) -> None:
+        """The step in phases, and whether the input holds the steps back (said in the log when that changes)."""
+        phases = self._step_phases = dp_step_phases(event.step, event.record)
+        before = self._input_bound.verdict
+        after = self._input_bound.feed(phases)
+        if after is not None and before is None:
+            self._event(f"step {event.step}: {input_bound_words(after)}")
+        elif after is None and before is not None:
+            self._event(f"step {event.step}: no longer input-bound")
 
     def _on_epoch(self, event: EpochFinished) -> None:
         now = self._clock()
@@ -432,6 +451,8 @@ class RunView:
                 even_ms=step.record.even_ms if step else None,
                 even_ms_unsure=step is not None and step.record.even_ms_unsure,
                 timeline=self._rank_steps.latest() or (ShownStep(step.step, record=step.record) if step else None),
+                step_phases=self._step_phases,
+                input_bound=self._input_bound.verdict,
             )
 
     def _shown_state(self) -> str:

@@ -2,7 +2,9 @@
 
 A DataParallel step gives a row per replica: the engine's scatter and replicate (shared by
 every replica), the replica's forward, its wait for the slowest replica before the gather,
-the gather, and its backward. (A backward's end is not labelled as a wait: on CPU devices one
+the gather, and its backward. Under `dptui run` the script's own phases around the step come
+too, shared by every replica: its data (the wait for input since the previous step, before the
+forward) and its optimizer steps after the backward. (A backward's end is not labelled as a wait: on CPU devices one
 autograd thread runs the replicas' backwards one after another, so who ends last says who was
 started last, not who is slow.) A DDP step gives a
 row per rank: data, forward, backward, comm_wait, optimizer and other; a fast rank's
@@ -19,6 +21,8 @@ leaves it together).
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -28,7 +32,6 @@ from dpengine.records import StepRecord
 from . import format as fmt
 
 RANK_PHASES = ("data", "forward", "backward", "comm_wait", "optimizer", "other")
-SHARED = frozenset({"scatter", "replicate", "gather"})  # the engine's: drawn on every replica's row
 WAITS = frozenset({"wait", "comm_wait"})
 # A wait shorter than this share of the step is the engine's hand-off, not imbalance.
 MIN_WAIT_FRACTION = 0.02
@@ -41,6 +44,7 @@ class Span:
     duration_ms: float
     label: str  # "forward 25.6 ms", "waits 9.8 ms for cpu:2"
     short: str = ""  # what fits in a narrow bar: "fwd", "wait"
+    shared: bool = False  # the step's, the same on every row (the engine's scatter, the script's data)
 
     @property
     def end_ms(self) -> float:
@@ -74,8 +78,13 @@ def _ms(value: float) -> str:
     return f"{duration_text(value)} ms"
 
 
-def _phase(kind: str, start: float, duration: float, short: str | None = None) -> Span:
-    return Span(kind, start, duration, f"{kind} {_ms(duration)}", short or kind)
+def _phase(kind: str, start: float, duration: float, short: str | None = None, shared: bool = False) -> Span:
+    return Span(kind, start, duration, f"{kind} {_ms(duration)}", short or kind, shared)
+
+
+def _recorded(value: float | None) -> float | None:
+    """A duration a record holds, if it holds a usable one (a damaged log may not)."""
+    return value if value is not None and math.isfinite(value) and value > 0 else None
 
 
 def _wait(start: float, duration: float, whom: str) -> Span:
@@ -120,22 +129,32 @@ def dp_timeline(step: int, record: StepRecord) -> Timeline:
     slowest_forward = max(forward_ends, key=forward_ends.__getitem__, default=None)
     devices = {r.index: r.device for r in record.replicas}
 
+    # The script's phases (`dptui run`): its wait for input before the step, its optimizer after it.
+    data, optimizer = _recorded(record.data_ms), _recorded(record.optimizer_ms)
+    lead = data or 0.0  # the step's own phases start after the data wait
+    optimizer_start = start(record.optimizer_start_ms, span) if optimizer is not None else None
+
     rows = []
     for replica in record.replicas:
         i = replica.index
         spans = [
-            _phase("scatter", scatter, record.scatter_ms),
-            _phase("replicate", replicate, record.replicate_ms, "repl"),
+            _phase("scatter", scatter, record.scatter_ms, shared=True),
+            _phase("replicate", replicate, record.replicate_ms, "repl", shared=True),
             _phase("forward", forwards[i], replica.forward_ms, "fwd"),
         ]
         waited = gather - forward_ends[i]
         if i != slowest_forward and waited >= min_wait:
             spans.append(_wait(forward_ends[i], waited, devices[slowest_forward]))
-        spans.append(_phase("gather", gather, record.gather_ms))
+        spans.append(_phase("gather", gather, record.gather_ms, shared=True))
         if i in backwards:
             spans.append(_phase("backward", backwards[i], replica.backward_ms, "bwd"))
+        if optimizer_start is not None:
+            spans.append(_phase("optimizer", optimizer_start, optimizer, "opt", shared=True))
+        if lead:
+            spans = [_phase("data", 0.0, lead, shared=True),
+                     *(dataclasses.replace(s, start_ms=s.start_ms + lead) for s in spans)]
         rows.append(Row(replica.device, tuple(spans)))
-    return Timeline(step, tuple(rows), _span_of(rows, span), not exact)
+    return Timeline(step, tuple(rows), _span_of(rows, span + lead), not exact)
 
 
 # -- DDP ranks --------------------------------------------------------------------------------

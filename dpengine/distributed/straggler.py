@@ -28,13 +28,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..eventlog.events import RankJoined, RankStepFinished, StragglerCleared, StragglerFound
+from ..eventlog.phases import ABSOLUTE_MS, QUALIFYING, WINDOW, rank_step_phases
+from ..eventlog.phases import WORK_PHASES as PHASES  # comm_wait is waiting, not work
 
-WINDOW = 20  # complete steps a verdict stands on
-QUALIFYING = 15  # steps of the window in which the rank must be slow
-RELATIVE = 0.10  # own time at least this much over the others' median...
-ABSOLUTE_MS = 2.0  # ...and at least this many ms over it
+# The persistence (QUALIFYING of the last WINDOW steps) and the floor (own time ABSOLUTE_MS over the
+# others' median) are the input-bound rule's too (eventlog.phases).
+RELATIVE = 0.10  # own time at least this much over the others' median, and ABSOLUTE_MS
 WARM_UP_STEPS = 2  # steps 0 and 1
-PHASES = ("data", "forward", "backward", "optimizer", "other")  # comm_wait is waiting, not work
 PENDING_LIMIT = 4 * WINDOW  # steps a missing rank's record is waited for before the step is given up
 
 
@@ -146,7 +146,7 @@ class StragglerWatch:
 
 
 def _phase_ms(step: RankStepFinished) -> tuple[float, ...]:
-    return (step.data_ms, step.forward_ms, step.backward_ms, step.optimizer_ms, step.other_ms)
+    return rank_step_phases(step).ms
 
 
 def _excess(record: RankStepFinished, others: list[RankStepFinished]) -> _Excess:

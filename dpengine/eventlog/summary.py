@@ -3,7 +3,10 @@
 Summed as the events stream past (`RunSummary.feed`), so a log of any length takes the same
 memory: a few numbers per device. A DDP run's are per rank (`RunSummary.ranks`, `rank_lines`: steps,
 mean ms per phase, own time, last loss, peak memory, how it ended) with the straggler verdicts seen;
-`dptui run --headless` prints the same lines at the end of a live run. Importable without torch.
+`dptui run --headless` prints the same lines at the end of a live run. A `dptui run` DataParallel
+script's steps also carry the script's data and optimizer time: `RunSummary.dp_phases`, `dp_phase_lines`
+give the mean phases per step and whether (and since when) the run was input-bound. Importable without
+torch.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from ..records import StepRecord
 from .events import (
     RankEnded,
     RankJoined,
@@ -23,6 +27,7 @@ from .events import (
     StragglerCleared,
     StragglerFound,
 )
+from .phases import WORK_PHASES, InputBoundWatch, dp_step_phases
 from .units import ms, size
 
 
@@ -56,6 +61,18 @@ class RankFigures:
     end: str  # "finished", "failed: exit 1", "" while running or not in the log
 
 
+@dataclass(frozen=True, slots=True)
+class DpPhaseFigures:
+    """A DataParallel script's steps (`dptui run`) in phases, as a DDP rank's."""
+
+    steps: int  # steps with the script's phases (its DataParallel's first has no data time)
+    phase_ms: dict[str, float | None]  # mean per phase, in WORK_PHASES order
+    input_bound_steps: int  # steps after which the input-bound verdict was in force
+    input_bound_since: int | None  # the step the first verdict began at
+    input_bound_data_ms: float | None  # mean data ms over those steps
+    input_bound_step_ms: float | None  # mean step ms over them
+
+
 class _Mean:
     __slots__ = ("total", "count")
 
@@ -80,6 +97,31 @@ class _Device:
         self.chunks = self.rows = 0
         self.forward, self.backward = _Mean(), _Mean()
         self.peak: int | None = None
+
+
+class _DpPhaseSums:
+    __slots__ = ("steps", "phases", "watch", "bound_steps", "bound_since", "bound_data", "bound_step")
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.phases = {phase: _Mean() for phase in WORK_PHASES}
+        self.watch = InputBoundWatch()
+        self.bound_steps = 0
+        self.bound_since: int | None = None
+        self.bound_data, self.bound_step = _Mean(), _Mean()
+
+    def add(self, step: int, record: StepRecord) -> None:
+        phases = dp_step_phases(step, record)
+        if phases is None:
+            return
+        self.steps += 1
+        for phase, value in zip(WORK_PHASES, phases.ms):
+            self.phases[phase].add(value)
+        if self.watch.feed(phases) is not None:
+            self.bound_steps += 1
+            self.bound_since = self.watch.verdict.since if self.bound_since is None else self.bound_since
+            self.bound_data.add(phases.data_ms)
+            self.bound_step.add(phases.total_ms)
 
 
 class _RankSums:
@@ -109,6 +151,7 @@ class RunSummary:
         self.steps = 0
         self._devices: dict[str, _Device] = {}
         self._following: str | None = None  # `dptui run`: the instance the panels follow
+        self._dp_phases = _DpPhaseSums()
         self._ranks: dict[int, _RankSums] = {}
         self.verdicts: list[StragglerFound | StragglerCleared] = []  # the first MAX_VERDICTS, in order
         self.more_verdicts = 0  # found or cleared after those
@@ -131,6 +174,7 @@ class RunSummary:
             self.steps += 1
             for replica in event.record.replicas:
                 self._add(replica)
+            self._dp_phases.add(event.step, event.record)
         elif isinstance(event, RunStarted):
             self.started = self.started or event
             self._following = event.config.workload
@@ -198,6 +242,16 @@ class RunSummary:
         """The most steps any rank finished."""
         return max((rank.steps for rank in self._ranks.values()), default=0)
 
+    def dp_phases(self) -> DpPhaseFigures | None:
+        """The followed DataParallel's steps in phases; None where none were recorded (outside `dptui run`)."""
+        sums = self._dp_phases
+        if not sums.steps:
+            return None
+        return DpPhaseFigures(
+            steps=sums.steps, phase_ms={phase: sums.phases[phase].value for phase in WORK_PHASES},
+            input_bound_steps=sums.bound_steps, input_bound_since=sums.bound_since,
+            input_bound_data_ms=sums.bound_data.value, input_bound_step_ms=sums.bound_step.value)
+
     def devices(self) -> tuple[DeviceSummary, ...]:
         """One summary per device that ran a replica, in the order they first appear."""
         return tuple(
@@ -256,6 +310,21 @@ def rank_lines(summary: RunSummary) -> list[str]:
         lines += [f"  {verdict_words(v)}" for v in summary.verdicts]
         if summary.more_verdicts:
             lines.append(f"  and {summary.more_verdicts} more")
+    return lines
+
+
+def dp_phase_lines(figures: DpPhaseFigures) -> list[str]:
+    """`phases per step, means over 59 steps: data 48.0 · forward 12.1 · ... ms`, then whether it was
+    input-bound: `input-bound in 40 of 59 steps, from step 21: data 48.0 ms/step of 84.0 ms`."""
+    means = " · ".join(f"{phase} {ms(figures.phase_ms[phase])}" for phase in WORK_PHASES)
+    steps = f"{figures.steps} step{'' if figures.steps == 1 else 's'}"
+    lines = [f"phases per step, means over {steps}: {means} ms"]
+    if figures.input_bound_steps:
+        data, step = ms(figures.input_bound_data_ms), ms(figures.input_bound_step_ms)
+        lines.append(f"input-bound in {figures.input_bound_steps} of {steps}, from step {figures.input_bound_since}: "
+                     f"data {data} ms/step of {step} ms")
+    else:
+        lines.append("input-bound: no")
     return lines
 
 

@@ -2,7 +2,8 @@
 
 - One process per run: each `run_started` starts the next.
 - One track (a thread, to the format) per replica's device (DataParallel) or per rank (DDP's
-  `rank_step` events), and an `engine` track for a DataParallel step's own phases.
+  `rank_step` events), and an `engine` track for a DataParallel step's own phases; a `dptui run`
+  script's data wait before the step and its optimizer steps after it on a `script` track.
 - One complete event (`"ph": "X"`) per phase per step; an instant event (`"ph": "i"`) at each
   step's start.
 - Times are microseconds from the run's start: a DataParallel step ends at its event's
@@ -37,6 +38,7 @@ from .events import to_json_dict
 ENGINE_PHASES = ("scatter", "replicate", "apply", "gather")
 RANK_PHASES = ("data", "forward", "backward", "comm_wait", "optimizer", "other")
 ENGINE_TRACK = "engine"
+SCRIPT_TRACK = "script"  # a `dptui run` script's own phases around a DataParallel step
 RECENT_RANK_STEPS = 16  # DDP steps held for their ranks' records: a rank that far behind is written late
 APPROXIMATE = "approximate: phases laid end to end"
 
@@ -147,6 +149,7 @@ class TraceWriter:
                 if start is None:
                     exact, start = False, default
                 phases.append((track, phase, start, duration, rows))
+        phases, exact = _script_phases(engine, phases, exact)
         span = max((start + duration for _, _, start, duration, _ in phases), default=0.0)
         seconds = _ms(data.get("seconds"))
         end_us = seconds * 1e6 if seconds is not None else run.end_us + span * 1000
@@ -309,3 +312,19 @@ def export_trace(log: str | os.PathLike, out: IO[str]) -> TraceWriter:
         writer.add(data)
     writer.close()
     return writer
+
+
+def _script_phases(engine: dict[str, Any], phases: list, exact: bool) -> tuple[list, bool]:
+    """A `dptui run` step's phases with the script's around them: its data wait first (the step's
+    own phases after it), its optimizer steps after the backward (at `optimizer_start_ms`, else at
+    the step's end, approximate)."""
+    data, optimizer = _ms(engine.get("data_ms")), _ms(engine.get("optimizer_ms"))
+    if optimizer:
+        start = _ms(engine.get("optimizer_start_ms"))
+        if start is None:
+            exact, start = False, max((s + d for _, _, s, d, _ in phases), default=0.0)
+        phases = [*phases, (SCRIPT_TRACK, "optimizer", start, optimizer, None)]
+    if data:
+        phases = [(SCRIPT_TRACK, "data", 0.0, data, None),
+                  *((track, name, start + data, duration, rows) for track, name, start, duration, rows in phases)]
+    return phases, exact

@@ -5,8 +5,9 @@ A DataParallel step stays one forward and its backward, as the engine records it
 - optimizer_ms: optimizer.step time after its backward, before the next forward (of any DataParallel);
 - loss: the scalar backward was called on (unscaled under a GradScaler), recorded in the step of
   every DataParallel whose backward ran in that call (a GAN's discriminator and generator both).
-A step's end is its backward's end, or the last optimizer step after it. The same hooks as a DDP
-rank's phase clock (training_hooks.py) feed it. A finished step is held until its optimizer time
+A step's end is its backward's end, or the last optimizer step after it; where the first optimizer
+step began (optimizer_start_ms, for the step timeline) is on the host clock, from the forward's start.
+The same hooks as a DDP rank's phase clock (training_hooks.py) feed it. A finished step is held until its optimizer time
 is known: until the next DataParallel forward begins, or the script ends.
 """
 
@@ -33,12 +34,14 @@ class DpPhases:
         self._ended: dict[str, float] = {}  # per instance: when its last step ended
         self._data: dict[Key, float] = {}
         self._optimizer: dict[Key, float] = {}
+        self._began: dict[Key, float] = {}  # when each step's forward began
+        self._optimizer_start: dict[Key, float] = {}  # its first optimizer step's, in ms from that
         self._loss: dict[Key, LossReading] = {}
         self._after_backward: dict[str, int] = {}  # instance -> its step whose backward is done, before a forward
         self._in_backward: list[Key] = []  # steps whose backward ran in the backward call in progress
         self._held: list[tuple[str, StepRecord]] = []
         self._reading: LossReading | None = None
-        self._optimizer_start: float | None = None
+        self._optimizer_began: float | None = None
 
     # -- swap.DataParallel -------------------------------------------------------------
 
@@ -47,6 +50,7 @@ class DpPhases:
         now = time.perf_counter()
         with self._lock:
             self._after_backward.clear()
+            self._began[instance, step] = now
             ended = self._ended.get(instance)
             if ended is not None:
                 self._data[instance, step] = (now - ended) * 1000.0
@@ -76,8 +80,10 @@ class DpPhases:
                     keep.append((instance, record))  # a CUDA loss still being copied: next time
                     continue
                 self._loss.pop(key, None)
+                self._began.pop(key, None)
                 record = dataclasses.replace(record, data_ms=self._data.pop(key, None),
-                                             optimizer_ms=self._optimizer.pop(key, None))
+                                             optimizer_ms=self._optimizer.pop(key, None),
+                                             optimizer_start_ms=self._optimizer_start.pop(key, None))
                 out.append((instance, record, reading))
             self._held = keep
         for instance, record, reading in out:
@@ -99,14 +105,18 @@ class DpPhases:
             self._reading = None
 
     def optimizer_begins(self) -> None:
-        self._optimizer_start = time.perf_counter()
+        self._optimizer_began = time.perf_counter()
 
     def optimizer_ends(self) -> None:
-        start, now = self._optimizer_start, time.perf_counter()
-        self._optimizer_start = None
+        start, now = self._optimizer_began, time.perf_counter()
+        self._optimizer_began = None
         if start is None:
             return
         with self._lock:
             for instance, step in self._after_backward.items():
-                self._optimizer[instance, step] = self._optimizer.get((instance, step), 0.0) + (now - start) * 1000.0
+                key = (instance, step)
+                self._optimizer[key] = self._optimizer.get(key, 0.0) + (now - start) * 1000.0
+                began = self._began.get(key)
+                if began is not None:
+                    self._optimizer_start.setdefault(key, (start - began) * 1000.0)
                 self._ended[instance] = now

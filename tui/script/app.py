@@ -18,7 +18,7 @@ from .. import format as fmt
 from ..app import LOG_STYLES, DptuiApp
 from ..session import Session
 from ..state import LogLine, Notice, RunView, Snapshot
-from ..widgets.status_bar import StatusBar, pack_lines, state_text, verdict_text
+from ..widgets.status_bar import StatusBar, pack_lines, phase_parts, state_text, verdict_text
 from .ddp_run import DdpRun
 from .events import DataParallelSeen, ScriptEvent, ScriptExited, ScriptNotice, ScriptOutput
 from .safe_text import safe_text
@@ -155,6 +155,11 @@ class ScriptStatusBar(StatusBar):
         verdict = verdict_text(snap)
         if verdict is not None:
             text = pack_lines([sep.join(parts), state, verdict], self.size.width)
+            self.update(text, layout=text.plain.count("\n") + 1 != self.size.height)
+            return
+        phases = phase_parts(snap)  # a DataParallel's steps in phases, and input-bound
+        if phases:
+            text = pack_lines([*parts, state, *phases], self.size.width)
             self.update(text, layout=text.plain.count("\n") + 1 != self.size.height)
             return
         text = sep.join([*parts, state])

@@ -61,12 +61,11 @@ def check_log(path: str, follow: bool) -> None:
 
 
 def summary_lines(summary: RunSummary, skipped: int = 0) -> list[str]:
-    """The run in one line, then a table with one row per device."""
+    """The run in one line, then a table with one row per device (and a script's phases per step)."""
     from dpengine.eventlog.events import RunFailed, RunFinished
+    from dpengine.eventlog.summary import dp_phase_lines, rank_lines
 
     from .. import format as fmt
-
-    from dpengine.eventlog.summary import rank_lines
 
     ranks = summary.ranks()
     started, end, steps = summary.started, summary.end, summary.rank_steps if ranks else summary.steps
@@ -90,7 +89,9 @@ def summary_lines(summary: RunSummary, skipped: int = 0) -> list[str]:
         "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
         for row in rows
     ]
-    return [f"{head}: {steps} step{'' if steps == 1 else 's'}, {outcome}", *table]
+    phases = summary.dp_phases()  # a `dptui run` script's: its data and optimizer time too
+    return [f"{head}: {steps} step{'' if steps == 1 else 's'}, {outcome}", *table,
+            *(dp_phase_lines(phases) if phases is not None else ())]
 
 
 def print_summary(recording: RecordedRun, out: IO[str]) -> int:

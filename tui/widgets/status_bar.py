@@ -1,7 +1,10 @@
 """The summary line (two on a narrow terminal): workload, backend, batch, progress, speed, loss, state.
 
 A DDP run's bar counts ranks and steps instead of epochs, and names the straggler (its own line
-when the width is short): `rank 1 is the straggler: data +48 ms/step over 20 steps`.
+when the width is short): `rank 1 is the straggler: data +48 ms/step over 20 steps`. A `dptui run`
+script's DataParallel steps show their phases, the script's data and optimizer time included
+(`step 41: data 48.0 · fwd 12.1 · bwd 20.3 · opt 3.20 · oth 0.500 ms`), and `input-bound: ...` while the
+input holds them back.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from rich.text import Text
 from textual.widgets import Static
 
 from dpengine.eventlog.summary import straggler_words
+from dpengine.eventlog.phases import WORK_PHASES, input_bound_words
 
 from .. import format as fmt
 from ..state import Snapshot
@@ -35,6 +39,36 @@ def verdict_text(snap: Snapshot) -> Text | None:
     if snap.straggler_cleared is not None:
         return Text(f"no straggler (cleared at step {snap.straggler_cleared.step})", style="dim")
     return Text("no straggler", style="dim")
+
+
+PHASE_LABELS = {"data": "data", "forward": "fwd", "backward": "bwd", "optimizer": "opt", "other": "oth"}
+
+
+def phases_text(snap: Snapshot) -> Text | None:
+    """The last DataParallel step in phases, where the script's were recorded (`dptui run`); else None.
+    Its data time is marked while the run is input-bound."""
+    phases = snap.step_phases
+    if phases is None:
+        return None
+    text = Text(f"step {phases.step}: ")
+    for i, (phase, ms) in enumerate(zip(WORK_PHASES, phases.ms)):
+        style = "bold yellow" if phase == "data" and snap.input_bound is not None else ""
+        text.append(f"{' · ' if i else ''}")
+        text.append(f"{PHASE_LABELS[phase]} {fmt.ms(ms)}", style)
+    text.append(" ms")
+    return text
+
+
+def input_bound_text(snap: Snapshot) -> Text | None:
+    """`⚠ input-bound: data 48.0 ms/step of 80.0 ms over 20 steps` while that verdict holds."""
+    if snap.input_bound is None:
+        return None
+    return Text(f"⚠ {input_bound_words(snap.input_bound)}", style="bold yellow")
+
+
+def phase_parts(snap: Snapshot) -> list[Text]:
+    """What a DataParallel script's steps add to the bar: their phases and the input-bound verdict."""
+    return [part for part in (phases_text(snap), input_bound_text(snap)) if part is not None]
 
 
 def _ranks_run(snap: Snapshot) -> list[Text]:
@@ -77,11 +111,12 @@ def status_text(snap: Snapshot, width: int, pause_left_s: float | None = None) -
     """One line when `width` allows, else the run on the first line and its health on the second."""
     epochs = f"/{snap.epochs}" if snap.epochs else ""
     sep = Text(" │ ", style="dim")
-    run = sep.join(_ranks_run(snap) if snap.ranks else [
+    run_parts = _ranks_run(snap) if snap.ranks else [
         Text(f"{snap.workload or '…'} · {snap.backend or '…'}", style="bold"),
         Text(f"batch {snap.batch_size if snap.batch_size is not None else '–'}"),
         Text(f"epoch {snap.epoch}{epochs} step {snap.step_in_epoch}/{snap.steps_in_epoch} (#{snap.step})"),
-    ])
+    ]
+    run = sep.join(run_parts)
     state = state_text(snap, pause_left_s)
     timing = []
     if snap.replica_ms is not None and snap.even_ms is not None:
@@ -98,6 +133,9 @@ def status_text(snap: Snapshot, width: int, pause_left_s: float | None = None) -
     verdict = verdict_text(snap)
     if verdict is not None:
         return pack_lines([run, health, verdict], width)
+    phases = phase_parts(snap)
+    if phases:
+        return pack_lines([*run_parts, health, *phases], width)  # a script's long label: wrapped between parts
     if run.cell_len + sep.cell_len + health.cell_len <= width:
         return Text.assemble(run, sep, health)
     return Text.assemble(run, "\n", health)

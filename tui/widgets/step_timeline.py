@@ -13,7 +13,7 @@ from rich.text import Text
 from textual.geometry import Size
 
 from ..step_times import ShownStep
-from ..timeline_layout import SHARED, WAITS, Timeline, ddp_timeline, dp_timeline, duration_text
+from ..timeline_layout import WAITS, Timeline, ddp_timeline, dp_timeline, duration_text
 from .text_lines import TextLines
 
 NAME_WIDTH = 8  # "cuda:10", "rank 12"
@@ -96,10 +96,10 @@ def bar_line(timeline: Timeline, index: int, name_width: int, cells: int) -> Tex
 
 
 def detail_line(timeline: Timeline, index: int, name_width: int) -> Text:
-    """Row `index`'s own phases and waits in words (the engine's shared phases are on the bars):
+    """Row `index`'s own phases and waits in words (the step's shared phases are on the bars):
     `fwd 8.0 · waits 9.8 ms for cpu:2 · bwd 6.0`."""
     text = Text(" " * name_width, no_wrap=True, overflow="ellipsis")
-    spans = [s for s in timeline.rows[index].spans if s.kind not in SHARED]
+    spans = [s for s in timeline.rows[index].spans if not s.shared]
     for n, span in enumerate(spans):
         if n:
             text.append(" · ", "dim")

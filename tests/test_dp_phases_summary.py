@@ -1,0 +1,96 @@
+"""The headless summary of a DataParallel script's steps in phases: mean data, forward, backward,
+optimizer and other ms per step, and whether it was input-bound (`dptui run --headless`,
+`dptui view --headless`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from ui_fakes import step_event
+
+from dpengine.eventlog.events import RunConfig, RunStarted, StepFinished
+from dpengine.eventlog.reader import read_event_log
+from dpengine.eventlog.summary import RunSummary
+from tui.view.cli import summary_lines
+
+SCRIPTS = Path(__file__).parent / "fixtures" / "scripts"
+DEVICES = ("cpu:0", "cpu:1")
+INSTANCE = "DataParallel(Linear, 12 params)@train.py:9"
+
+
+def script_step(step: int, data_ms: float | None, optimizer_ms: float = 3.0) -> StepFinished:
+    event = step_event(step, 1, step, 100, 10, DEVICES)
+    record = dataclasses.replace(event.record, total_ms=12.0, backward_ms=20.0, backward_start_ms=13.0,
+                                 data_ms=data_ms, optimizer_ms=optimizer_ms)
+    return dataclasses.replace(event, record=record, instance=INSTANCE)
+
+
+def summary_of(events) -> RunSummary:
+    summary = RunSummary()
+    config = RunConfig(workload=INSTANCE, backend="dptui run", devices=DEVICES, available_devices=DEVICES,
+                       batch_size=10, epochs=None, lr=float("nan"), seed=None, samples=0)
+    summary.feed(RunStarted(config))
+    for event in events:
+        summary.feed(event)
+    return summary
+
+
+def test_an_input_bound_script_s_summary_says_so_with_its_mean_phases():
+    # Step 1 has no input wait (nothing before it); steps 2-11 compute-bound, 12-41 input-bound.
+    steps = [script_step(1, None)] + [script_step(n, 4.0) for n in range(2, 12)]
+    steps += [script_step(n, 50.0) for n in range(12, 42)]
+    lines = summary_lines(summary_of(steps))
+    mean_data = (10 * 4.0 + 30 * 50.0) / 40
+    assert lines[-2] == (f"phases per step, means over 40 steps: data {mean_data:.1f} · forward 12.0 · "
+                         f"backward 20.0 · optimizer 3.00 · other 1.00 ms")
+    # The verdict begins at the 15th input-bound step of a window (step 26) and holds to the end.
+    assert lines[-1] == "input-bound in 16 of 40 steps, from step 26: data 50.0 ms/step of 86.0 ms"
+
+
+def test_a_compute_bound_script_s_summary_says_it_was_not_input_bound():
+    lines = summary_lines(summary_of([script_step(1, None)] + [script_step(n, 4.0) for n in range(2, 40)]))
+    assert lines[-2].startswith("phases per step, means over 38 steps: data 4.00 · forward 12.0")
+    assert lines[-1] == "input-bound: no"
+
+
+def test_steps_without_the_script_s_phases_add_no_phase_lines():
+    # dptui's own trainer (and logs from before data_ms): the per-device table alone.
+    plain = [dataclasses.replace(script_step(n, None), instance=None) for n in range(1, 30)]
+    summary = summary_of(plain)
+    assert summary.dp_phases() is None
+    assert [line.split()[0] for line in summary_lines(summary)[1:]] == ["device", *DEVICES]
+
+
+def test_another_dataparallel_s_steps_stay_out_of_the_phases():
+    other = [dataclasses.replace(script_step(n, 50.0), instance="DataParallel(D)@train.py:20") for n in range(1, 40)]
+    mine = [script_step(n, 4.0) for n in range(1, 40)]
+    figures = summary_of(other + mine).dp_phases()
+    assert figures.steps == 39 and figures.phase_ms["data"] == pytest.approx(4.0)
+    assert figures.input_bound_steps == 0
+
+
+def test_dptui_run_headless_and_dptui_view_headless_say_a_slow_input_script_was_input_bound(tmp_path):
+    log = tmp_path / "run.jsonl"
+    done = subprocess.run(
+        [sys.executable, "-m", "tui.cli", "run", "--headless", "--no-telemetry", "--devices", ",".join(DEVICES),
+         "--log", str(log), str(SCRIPTS / "slow_input.py"), "30", "40"],
+        capture_output=True, text=True, timeout=180,
+    )
+    assert done.returncode == 0, done.stderr
+    summary = done.stderr.splitlines()[-5:]
+    phases, bound = summary[-2:]
+    assert phases.startswith("phases per step, means over 29 steps: data ")
+    data_ms = float(phases.split("data ")[1].split()[0])
+    assert data_ms >= 40  # the script's sleep before each batch
+    assert bound.startswith("input-bound in ") and " of 29 steps, from step " in bound
+    # The log says the same to dptui view, whose summary is the one dptui run printed.
+    steps = [e for e in read_event_log(log) if isinstance(e, StepFinished)]
+    assert len(steps) == 30 and all(s.record.data_ms >= 40 for s in steps[1:])
+    view = subprocess.run([sys.executable, "-m", "tui.cli", "view", "--headless", str(log)],
+                          capture_output=True, text=True, timeout=60)
+    assert view.returncode == 0, view.stderr
+    assert view.stdout.splitlines()[-2:] == [phases, bound]
