@@ -1,7 +1,8 @@
 """Ranks a script starts itself other than with torch.multiprocessing.spawn (test_spawned_ranks.py):
-torch.multiprocessing.start_processes with the fork and forkserver start methods, and
-multiprocessing.Process children. Under plain `dptui run`, with no edit of the script, each is
-watched as a DDP rank: every step recorded, its end reported, no process left behind."""
+torch.multiprocessing.start_processes with the fork and forkserver start methods,
+multiprocessing.Process children (the script's own process one of the ranks, or none), and bare
+os.fork() children. Under plain `dptui run`, with no edit of the script, each is watched as a DDP
+rank: every step recorded, its end reported, no process left behind."""
 
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ def nothing_left(events: list) -> None:
         raise AssertionError(f"left behind: {left_in_group(events)}") from None
 
 
-@pytest.mark.parametrize("how", ["fork", "forkserver", "process:fork", "process:spawn"])
+@pytest.mark.parametrize("how", ["fork", "forkserver", "process:fork", "process:spawn", "parent:fork", "os.fork"])
 def test_dptui_run_watches_the_ranks_a_script_starts(how, monkeypatch):
     for name in [k for k in os.environ if k.startswith("DPTUI_")]:
         monkeypatch.delenv(name)

@@ -5,15 +5,17 @@ any start method, and multiprocessing.Process children that call init_process_gr
 The watch: torch's DDP swapped for the recording one, and the link to dptui (DPTUI_RANK_CHANNEL,
 DPTUI_RANK_TOKEN) opened when the script's init_process_group returns, since only then is the process's
 rank known. It reaches the children as they are made:
-- fork: dptui run's bootstrap installs the watch in the script's process (`carry_into_spawned_children`),
-  which never joins itself; a forked child inherits it, forgets what was its parent's (os.register_at_fork)
-  and joins at its own init_process_group;
+- fork: dptui run's bootstrap installs the watch in the script's process (`carry_into_spawned_children`);
+  a forked child inherits it, forgets what was its parent's (os.register_at_fork) and joins at its own
+  init_process_group. The script's process joins only a group of several (it is rank 0 of its children);
 - spawn: a fresh interpreter. The bootstrap puts dpengine/script/spawned on PYTHONPATH, so the child
   imports its sitecustomize, which calls `install` before the child unpickles its target;
 - forkserver: the server is such a fresh interpreter; its sitecustomize calls `install_in_forkserver`,
   and the children it forks inherit the watch from it, as from a forking script.
 How the child's function ended (script_finished or rank_failed) is said by our wrapper around torch's
-spawn wrapper (start_processes' children), and around a Process's run (every other child).
+spawn wrapper (start_processes' children), around a Process's run (every other child), by the
+bootstrap when the script ends (its own process, and a bare os.fork() child that returns into it), or
+at os._exit (a bare os.fork() child's usual end).
 """
 
 from __future__ import annotations
@@ -28,12 +30,11 @@ SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "spawned")
 
 _link = None
 _ended = False  # this process's end was said: a Process's run around torch's wrapper says it once
-_home_pid: int | None = None  # the process that starts ranks and is none itself (the script, a forkserver)
+_home_pid: int | None = None  # the process that starts ranks (the script's, a forkserver)
 
 
 def carry_into_spawned_children() -> None:
-    """dptui run's bootstrap, when a dptui listens for ranks: the script's children become ranks (the
-    script's own process never does: it is recorded as a DataParallel script)."""
+    """dptui run's bootstrap, when a dptui listens for ranks: the script's children become ranks."""
     channel = os.environ.get(rank_wire.CHANNEL)
     if channel:
         paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -71,7 +72,7 @@ def _watch(channel: str, token: str, home: int | None) -> None:
     _home_pid = home
 
     def joined(said: dict) -> None:
-        if os.getpid() == _home_pid:
+        if os.getpid() == _home_pid and not _is_rank_among_others():
             return
         _join(channel, token)
         if _link is not None:
@@ -97,6 +98,14 @@ def _forget_parent() -> None:
     training_hooks.forget_listeners()
 
 
+def _is_rank_among_others() -> bool:
+    """The script's own process joined a group of several (its children the other ranks): it is a rank.
+    Alone, its DDP is one process's, recorded as a DataParallel script's (notices.py says it is not)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() > 1
+
+
 def _join(channel: str, token: str) -> None:
     global _link
     if _link is not None:
@@ -108,6 +117,19 @@ def _join(channel: str, token: str) -> None:
     rank = dist.get_rank()
     _link = connect(channel, hello(token, rank=rank, local_rank=int(os.environ.get("LOCAL_RANK", rank)),
                                    world_size=dist.get_world_size()))
+    if _link is not None:
+        os._exit = _saying_end(os._exit)
+
+
+def _saying_end(exit_now):
+    """A bare os.fork() child ends with os._exit, past every wrapper: its status is said first."""
+
+    @functools.wraps(exit_now)
+    def _exit(status):
+        say_end(status, None)
+        exit_now(status)
+
+    return _exit
 
 
 def _notice(text: str) -> None:
@@ -131,12 +153,12 @@ def _run(fn, *args):
     try:
         fn(*args)
     except SystemExit as done:
-        _say_end(exit_status(done), None)
+        say_end(exit_status(done), None)
         raise
     except BaseException as error:
-        _say_end(1, error)
+        say_end(1, error)
         raise
-    _say_end(0, None)
+    say_end(0, None)
 
 
 def _watched_bootstrap(bootstrap):
@@ -151,7 +173,8 @@ def _watched_bootstrap(bootstrap):
     return _bootstrap
 
 
-def _say_end(exit_code: int, error: BaseException | None) -> None:
+def say_end(exit_code: int, error: BaseException | None) -> None:
+    """How this process's function or script ended, said once if it is a rank."""
     global _ended
     if _ended or _link is None:
         return
