@@ -102,3 +102,17 @@ def test_a_started_rank_that_raises_is_named_with_its_error(how, monkeypatch):
     assert not ends[1].script_finished and ends[1].error == "RuntimeError: rank 1 lost its data"
     assert "started_ranks.py" in ends[1].traceback
     nothing_left(events)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_forked_ranks_on_gpus_can_use_cuda_since_dptui_never_touches_it_before_the_fork(monkeypatch):
+    for name in [k for k in os.environ if k.startswith("DPTUI_")]:
+        monkeypatch.delenv(name)
+    run, events = run_script("fork", "-1", "cuda")
+    errors = [e.line for e in events if isinstance(e, ScriptOutput) and e.stream == "stderr"]
+    assert run.exit_code == 0, errors
+    steps = [e for e in events if isinstance(e, RankStepFinished)]
+    assert sorted((e.rank, e.step) for e in steps) == [(rank, step) for rank in (0, 1) for step in range(STEPS)]
+    assert {e.rank: e.device for e in events if isinstance(e, RankJoined)}[0] == "cuda:0"
+    nothing_left(events)
