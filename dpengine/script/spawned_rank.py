@@ -64,9 +64,12 @@ def _watch(channel: str, token: str, home: int | None) -> None:
     global _home_pid
     import multiprocessing.process
 
-    import torch.multiprocessing  # noqa: F401 - binds torch.multiprocessing.spawn, the module
+    import torch.distributed
+    import torch.multiprocessing  # binds torch.multiprocessing.spawn, the module
 
-    from . import ddp_swap
+    if not torch.distributed.is_available():  # a torch built without it: no rank to watch
+        return
+    from . import ddp_swap, training_hooks
     from .rank_bootstrap import on_process_group, rank_steps
 
     _home_pid = home
@@ -84,18 +87,16 @@ def _watch(channel: str, token: str, home: int | None) -> None:
     spawn._wrap = _watched(spawn._wrap)
     process = multiprocessing.process.BaseProcess
     process._bootstrap = _watched_bootstrap(process._bootstrap)
-    os.register_at_fork(after_in_child=_forget_parent)
 
+    def forget_parent() -> None:
+        """In a forked child: the parent's link, phase clock and end are the parent's. Its sender is
+        a thread the child does not have; the child opens its own link if it joins a process group."""
+        global _link, _ended
+        _link, _ended = None, False
+        ddp_swap.forget_steps()
+        training_hooks.forget_listeners()
 
-def _forget_parent() -> None:
-    """In a forked child: the parent's link, phase clock and end are the parent's. Its sender is
-    a thread the child does not have; the child opens its own link if it joins a process group."""
-    global _link, _ended
-    _link, _ended = None, False
-    from . import ddp_swap, training_hooks
-
-    ddp_swap.forget_steps()
-    training_hooks.forget_listeners()
+    os.register_at_fork(after_in_child=forget_parent)
 
 
 def _is_rank_among_others() -> bool:
