@@ -116,3 +116,25 @@ def test_forked_ranks_on_gpus_can_use_cuda_since_dptui_never_touches_it_before_t
     assert sorted((e.rank, e.step) for e in steps) == [(rank, step) for rank in (0, 1) for step in range(STEPS)]
     assert {e.rank: e.device for e in events if isinstance(e, RankJoined)}[0] == "cuda:0"
     nothing_left(events)
+
+
+@pytest.mark.parametrize("how", ["fork", "forkserver"])
+def test_stopping_dptui_run_ends_the_started_ranks_and_leaves_no_process(how, monkeypatch):
+    for name in [k for k in os.environ if k.startswith("DPTUI_")]:
+        monkeypatch.delenv(name)
+    run = ScriptRun(ScriptTarget(str(SCRIPT), (how, free_port(), "100000")), ("cpu:0", "cpu:1"),
+                    telemetry_interval=None, grace_s=3)
+    events: list = []
+    run.subscribe(events.append)
+    thread = threading.Thread(target=run.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: {e.rank for e in list(events) if isinstance(e, RankStepFinished)} == {0, 1},
+                 "both ranks stepping", timeout=TIMEOUT)
+    finally:
+        run.stop()
+        thread.join(60)
+    assert run.wait(0) and run.exit_code != 0
+    assert sorted(e.rank for e in events if isinstance(e, RankEnded)) == [0, 1]
+    assert all(gone(e.pid) for e in events if isinstance(e, RankJoined))
+    nothing_left(events)
