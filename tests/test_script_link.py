@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -143,3 +144,52 @@ def test_a_step_crosses_the_dptui_run_pipe_whole():
     assert all(r.optimizer_ms == 0.0 for r in steps)  # backward ran, no optimizer stepped
     assert steps[0].split == "weights" and steps[0].split_weights == (0.75, 0.25)
     assert steps[-1].even_ms is not None and not steps[-1].replicas[0].forward_timed
+
+
+def test_a_forked_child_never_writes_on_the_parents_link_even_if_its_lock_was_held_at_the_fork():
+    events_r, events_w = os.pipe()
+    control_r, control_w = os.pipe()
+    link = ParentLink(events_w, control_r, ("cpu:0",))
+    lines = Lines(events_r)
+    held, forked = threading.Event(), threading.Event()
+
+    def hold_the_lock() -> None:
+        with link._cond:
+            held.set()
+            forked.wait()
+
+    holder = threading.Thread(target=hold_the_lock)
+    holder.start()
+    held.wait()
+    pid = os.fork()
+    if pid == 0:  # the child: a post and the flush at its exit return at once, and write nothing
+        try:
+            link.post({"type": "notice", "text": "from the child"})
+            link.wait_while_paused()
+            link.flush(timeout=30)
+        finally:
+            os._exit(0)
+    forked.set()
+    holder.join()
+    ended: list[int] = []
+
+    def child_ended() -> bool:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            ended.append(status)
+        return bool(done)
+
+    try:
+        wait_for(child_ended, "the child's exit (its post or flush blocked on the lock held at the fork)", timeout=30)
+    finally:
+        if not ended:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(ended[0]) == 0
+    link.post({"type": "notice", "text": "from the parent"})
+    link.flush()
+    seen = []
+    wait_for(lambda: seen.extend(lines()) or any(e.get("text") == "from the parent" for e in seen),
+             "the parent's line")
+    assert [e["text"] for e in seen if e["type"] == "notice"] == ["from the parent"]
+    os.close(control_w)

@@ -104,8 +104,9 @@ def test_distributed_data_parallel_in_the_scripts_own_process_is_said_to_be_unre
     assert done.returncode == 0, done.stderr
     assert done.stdout == "ddp step done\n"
     assert done.stderr.splitlines() == [
-        "dptui: the script built torch.nn.parallel.DistributedDataParallel, which dptui records only in ranks "
-        "it launches itself (dptui run --nproc-per-node N): its steps were not recorded"]
+        "dptui: the script built torch.nn.parallel.DistributedDataParallel in its own process, which dptui "
+        "records only in ranks it launches (dptui run --nproc-per-node N) or the script starts: its steps were "
+        "not recorded"]
 
 
 def test_the_module_form_runs_like_python_m():

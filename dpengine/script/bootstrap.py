@@ -83,7 +83,9 @@ def main() -> None:
         sys.exit("usage: python -m dpengine.script.bootstrap (PATH | -m MODULE) [ARGS...]")
     _stay_with_dptui()
     _connect()
-    run_script(argv)
+    from .spawned_rank import say_end
+
+    run_script(argv, say_end)  # a rank's end, if the script's process joined a group of several
 
 
 def run_script(argv: list[str], ended: Callable[[int, BaseException | None], None] | None = None) -> None:

@@ -165,6 +165,14 @@ def current_steps() -> RankSteps | None:
     return _steps
 
 
+def forget_steps() -> None:
+    """In a forked child: the phase clock and what was said are its parent's (and the lock may have
+    been held at the fork)."""
+    global _steps, _lock
+    _steps, _lock = None, threading.Lock()
+    _said.clear()
+
+
 def install(make_steps: Callable[[HostClock | CudaClock], RankSteps], notice: Callable[[str], None]) -> None:
     """Bind torch's names to the recording class; `make_steps(clock)` gives the rank's phase clock at the
     first DDP built (its listener is the caller's to register)."""

@@ -81,6 +81,11 @@ class ParentLink(QueuedSender):
         self._running.wait()
         self.post({"type": "state", "state": "running", "request": self._state_request})
 
+    def _quiet_in_forked_child(self) -> None:
+        super()._quiet_in_forked_child()
+        self._running = threading.Event()  # a pause of the parent's is not the child's
+        self._running.set()
+
     # -- the sender ------------------------------------------------------------------
 
     def _write(self, data: bytes) -> None:

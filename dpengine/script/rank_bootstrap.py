@@ -51,7 +51,9 @@ def main() -> None:
 def hello(token: str, *, rank: int, local_rank: int, world_size: int, node_rank: int = 0, restart: int = 0) -> dict:
     import torch
 
-    device = f"cuda:{local_rank}" if torch.cuda.is_available() and local_rank < torch.cuda.device_count() else "cpu"
+    # device_count, not is_available: it asks NVML, so a process that forks CUDA ranks after it joined
+    # (the script's own, as rank 0) can still fork them, as under plain python.
+    device = f"cuda:{local_rank}" if local_rank < torch.cuda.device_count() else "cpu"
     return {"token": token, "rank": rank, "local_rank": local_rank, "world_size": world_size,
             "node_rank": node_rank, "host": socket.gethostname(), "pid": os.getpid(), "device": device,
             "restart": restart}

@@ -10,8 +10,10 @@ subclass's `_lines` says how many. Used by `link.ParentLink` (a DataParallel scr
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
+import weakref
 from collections import deque
 from typing import Any
 
@@ -37,6 +39,8 @@ class QueuedSender:
         self._sleeping = False  # the sender waits for anything at all: a step wakes it
         self._broken = False
         self._thread_name = thread_name
+        quiet = weakref.WeakMethod(self._quiet_in_forked_child)
+        os.register_at_fork(after_in_child=lambda: (sender := quiet()) is not None and sender())
 
     def _start_sending(self) -> None:
         threading.Thread(target=self._send_loop, name=self._thread_name, daemon=True).start()
@@ -93,6 +97,17 @@ class QueuedSender:
                 if left <= 0:
                     return
                 self._cond.wait(left)
+
+    def _quiet_in_forked_child(self) -> None:
+        """A child the script forks (a rank it starts, a DataLoader worker) has this sender but not its
+        thread, and the lock may have been held at the fork. The channel is the parent's: the child
+        never writes on it, and a flush at its exit returns at once."""
+        self._cond = threading.Condition()
+        self._queue.clear()
+        self._queued_counted = 0
+        self._dropped.clear()
+        self._writing = False
+        self._broken = True
 
     # -- the sender thread ---------------------------------------------------------------
 

@@ -39,6 +39,13 @@ def listen(listener: TrainingListener) -> None:
     _listeners.append(listener)
 
 
+def forget_listeners() -> None:
+    """In a forked child: the listeners are its parent's (the child listens anew if it becomes a rank)."""
+    global _lock
+    _listeners.clear()
+    _lock = threading.Lock()
+
+
 def install() -> None:
     global _installed
     with _lock:

@@ -19,8 +19,8 @@ def end_notices(built: Sequence[str], stepped: Collection[str], used: Collection
     `completed`: the script ran to its end with status 0 (not stopped by dptui, not failed)."""
     notices = []
     if DDP in used:
-        notices.append(f"the script built {DDP}, which dptui records only in ranks it launches itself "
-                       "(dptui run --nproc-per-node N): its steps were not recorded")
+        notices.append(f"the script built {DDP} in its own process, which dptui records only in ranks it "
+                       "launches (dptui run --nproc-per-node N) or the script starts: its steps were not recorded")
     if not completed:
         return notices  # stopped or failed on the way: what it had not built yet tells nothing
     idle = [key for key in built if key not in stepped]

@@ -1,8 +1,9 @@
 """On the path of the interpreters a script under `dptui run` starts: watch multiprocessing's spawned
-children as DDP ranks (dpengine.script.spawned_rank), then run the sitecustomize this one shadows.
+children, and those its forkserver forks, as DDP ranks (dpengine.script.spawned_rank), then run the
+sitecustomize this one shadows.
 
 Python imports one `sitecustomize`, the first on sys.path; this one does nothing else in a process
-that is not a spawned child, or when no dptui listens (DPTUI_RANK_CHANNEL unset).
+that is neither a spawned child nor a forkserver, or when no dptui listens (DPTUI_RANK_CHANNEL unset).
 """
 
 import importlib.machinery
@@ -10,15 +11,22 @@ import importlib.util
 import os
 import sys
 
+FORKSERVER = "from multiprocessing.forkserver import main"  # the server's `python -c` command
+
 
 def _watch() -> None:
-    if "--multiprocessing-fork" not in sys.argv or not os.environ.get("DPTUI_RANK_CHANNEL"):
+    spawned = "--multiprocessing-fork" in sys.argv
+    forkserver = any(arg.startswith(FORKSERVER) for arg in getattr(sys, "orig_argv", ()))
+    if not (spawned or forkserver) or not os.environ.get("DPTUI_RANK_CHANNEL"):
         return
     try:
         from dpengine.script import spawned_rank
     except ImportError:  # an interpreter without dptui's packages: nothing to watch with
         return
-    spawned_rank.install()
+    if spawned:
+        spawned_rank.install()
+    else:
+        spawned_rank.install_in_forkserver()
 
 
 def _chain() -> None:
