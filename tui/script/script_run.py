@@ -42,6 +42,7 @@ from .events import DataParallelSeen, ScriptExited, ScriptNotice, ScriptOutput, 
 from .failure_record import FailureRecord
 from .notices import end_notices
 from .output_lines import OutputLines
+from .quiet_tty import QuietTty
 from .rank_hub import RankHub
 
 GRACE_S = 5.0  # after SIGINT, then after SIGTERM, before the next signal
@@ -93,6 +94,7 @@ class ScriptRun(Publisher):
         self._events_r = -1
         self._control_w: int | None = None
         self._lifeline_w: int | None = None
+        self._tty: QuietTty | None = None  # the script's stdin while dptui captures its output
         self._stopping = False
         self._hurry = threading.Event()  # a second stop: cut the grace periods short
         self._done = threading.Event()
@@ -148,6 +150,8 @@ class ScriptRun(Publisher):
         finally:
             self._ranks.close()
             self._close_control()
+            if self._tty is not None:
+                self._tty.close()
             self._done.set()
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -232,19 +236,24 @@ class ScriptRun(Publisher):
         if self._capture:
             env["PYTHONUNBUFFERED"] = "1"  # lines as they are printed, not in 8 KiB blocks
         pipe = subprocess.PIPE if self._capture else None
+        self._tty = QuietTty() if self._capture else None  # the terminal's size for `stty size`, no input
         try:
             self._proc = spawner.popen(
                 self.target.bootstrap_argv(), env=env, pass_fds=(events_w, control_r, lifeline_r),
-                stdin=subprocess.DEVNULL if self._capture else None, stdout=pipe, stderr=pipe,
+                stdin=self._tty.stdin if self._tty else None, stdout=pipe, stderr=pipe,
                 start_new_session=True,
             )
         except BaseException:
             for fd in (events_r, control_w, lifeline_w):
                 os.close(fd)
+            if self._tty is not None:
+                self._tty.close()
             raise
         finally:
             for fd in (events_w, control_r, lifeline_r):  # the child's ends: ours would keep the pipes open
                 os.close(fd)
+            if self._tty is not None:
+                self._tty.child_started()
         self._events_r = events_r
         self._control_w = control_w
         self._lifeline_w = lifeline_w
