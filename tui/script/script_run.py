@@ -106,6 +106,7 @@ class ScriptRun(Publisher):
         self._threads: dict[str, dict[str, int]] = {}  # per instance: device -> native thread id
         self._stepped: set[str] = set()  # instances with a step recorded
         self._used: list[str] = []  # classes the child built and does not record (wire `used`)
+        self._child_notices: list[str] = []  # what the child did differently from torch (wire `notice`)
         self._steps = self._samples = 0
         self._last_loss: float | None = None
         self._requests = 0  # numbered as a Trainer numbers them; the child's events carry them back
@@ -323,6 +324,8 @@ class ScriptRun(Publisher):
             self._publish(DataParallelSeen(instance, tuple(body["devices"]), len(self._seen), body.get("copy_of")))
         elif kind == "used" and body.get("what") not in self._used:
             self._used.append(str(body.get("what")))
+        elif kind == "notice" and str(body.get("text")) not in self._child_notices:
+            self._child_notices.append(str(body.get("text")))
         elif kind == "step":
             self._stepped.add(instance)
             if self._shown is None:
@@ -378,6 +381,8 @@ class ScriptRun(Publisher):
         seconds = time.monotonic() - self._started_at
         gpus = sum(d.startswith("cuda:") for d in self._available)
         completed = code == 0 and not self._stopping
+        for text in self._child_notices:
+            self._publish(ScriptNotice(text))
         if self._seen or not self._ranks.joined:  # ranks it spawned were watched: no "built no DataParallel"
             for text in end_notices(list(self._seen), self._stepped, self._used, gpus, completed):
                 self._publish(ScriptNotice(text))
