@@ -18,17 +18,19 @@ import torch
 from ..devices import cuda_device_count, parse_device
 
 
-def as_virtual(device_ids: Iterable[Any], notice: Callable[[str], None]) -> list[Any]:
+def as_virtual(device_ids: Iterable[Any] | str | int | torch.device, notice: Callable[[str], None]) -> list[Any]:
     """`device_ids` with every GPU named replaced by the virtual device of its number."""
-    device_ids = list(device_ids)
+    # One device alone is a list of one, as dpengine's resolve_devices reads it.
+    device_ids = [device_ids] if isinstance(device_ids, (str, int, torch.device)) else list(device_ids)
     if cuda_device_count() > 0:
         return device_ids
     mapped = [_virtual(spec) for spec in device_ids]
     if mapped != device_ids:
-        asked = ", ".join(_shown(spec) for spec, new in zip(device_ids, mapped) if new != spec)
-        got = ", ".join(new for spec, new in zip(device_ids, mapped) if new != spec)
-        notice(f"the script asks DataParallel for GPU {asked} and this machine has none: dptui ran them "
-               f"on virtual devices {got}")
+        pairs = [(_shown(spec), new) for spec, new in zip(device_ids, mapped) if new != spec]
+        asked, got = ", ".join(a for a, _ in pairs), ", ".join(g for _, g in pairs)
+        them, devices = ("it", "device") if len(pairs) == 1 else ("them", "devices")
+        notice(f"the script asks DataParallel for GPU {asked} and this machine has none: dptui ran {them} "
+               f"on virtual {devices} {got}")
     return mapped
 
 
