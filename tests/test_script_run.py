@@ -374,6 +374,18 @@ def test_a_script_that_asks_stty_for_the_terminal_size_runs_and_its_input_is_at_
     assert "module.0.weight" in state
 
 
+def test_without_a_pseudo_terminal_the_script_gets_an_empty_stdin(monkeypatch):
+    def no_pty():
+        raise OSError("out of pty devices")
+
+    monkeypatch.setattr(os, "openpty", no_pty)
+    out: list[str] = []
+    run = ScriptRun(ScriptTarget(script("plain_loop.py"), ("1",)), ("cpu:0", "cpu:1"), telemetry_interval=None)
+    run.subscribe(lambda e: out.append(e.line) if isinstance(e, ScriptOutput) else None)
+    run.run()
+    assert run.exit_code == 0 and "step 1: loss" in " ".join(out)
+
+
 def test_dptui_help_lists_the_run_subcommand(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])

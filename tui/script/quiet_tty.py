@@ -23,13 +23,25 @@ class QuietTty:
 
     def __init__(self) -> None:
         self._master, self.stdin = os.openpty()
-        size = shutil.get_terminal_size()  # dptui's own terminal, else $COLUMNS/$LINES, else 80x24
-        fcntl.ioctl(self.stdin, termios.TIOCSWINSZ, struct.pack("HHHH", size.lines, size.columns, 0, 0))
-        attrs = termios.tcgetattr(self.stdin)
-        attrs[3] &= ~(termios.ICANON | termios.ECHO)  # lflag: no line editing, no echo
-        attrs[6][termios.VMIN] = 0
-        attrs[6][termios.VTIME] = 0
-        termios.tcsetattr(self.stdin, termios.TCSANOW, attrs)
+        try:
+            size = shutil.get_terminal_size()  # dptui's own terminal, else $COLUMNS/$LINES, else 80x24
+            fcntl.ioctl(self.stdin, termios.TIOCSWINSZ, struct.pack("HHHH", size.lines, size.columns, 0, 0))
+            attrs = termios.tcgetattr(self.stdin)
+            attrs[3] &= ~(termios.ICANON | termios.ECHO)  # lflag: no line editing, no echo
+            attrs[6][termios.VMIN] = 0
+            attrs[6][termios.VTIME] = 0
+            termios.tcsetattr(self.stdin, termios.TCSANOW, attrs)
+        except (OSError, termios.error):
+            self.close()
+            raise OSError("the pseudo-terminal could not be set up") from None
+
+    @classmethod
+    def open(cls) -> QuietTty | None:
+        """One, or None where no pseudo-terminal can be had (no /dev/pts): then an empty stdin."""
+        try:
+            return cls()
+        except OSError:
+            return None
 
     def child_started(self) -> None:
         """The child holds its end now: ours would only keep the terminal open."""

@@ -237,11 +237,12 @@ class ScriptRun(Publisher):
         if self._capture:
             env["PYTHONUNBUFFERED"] = "1"  # lines as they are printed, not in 8 KiB blocks
         pipe = subprocess.PIPE if self._capture else None
-        self._tty = QuietTty() if self._capture else None  # the terminal's size for `stty size`, no input
+        self._tty = QuietTty.open() if self._capture else None  # the terminal's size for `stty size`, no input
         try:
             self._proc = spawner.popen(
                 self.target.bootstrap_argv(), env=env, pass_fds=(events_w, control_r, lifeline_r),
-                stdin=self._tty.stdin if self._tty else None, stdout=pipe, stderr=pipe,
+                stdin=self._tty.stdin if self._tty else subprocess.DEVNULL if self._capture else None,
+                stdout=pipe, stderr=pipe,
                 start_new_session=True,
             )
         except BaseException:
