@@ -12,6 +12,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -239,11 +240,23 @@ def _make_task(results: _Results, index: int, job: Callable[[], Any], device: to
     def task() -> None:
         try:
             result = job()
-        except BaseException:  # noqa: BLE001 - a worker must survive anything a replica raises
-            result = ExceptionWrapper(where=f"in replica {index} on device {device_name(device)}")
+        except BaseException as error:  # noqa: BLE001 - a worker must survive anything a replica raises
+            where = f"in replica {index} on device {device_name(device)}{_hint(error)}"
+            result = ExceptionWrapper(where=where)
         results.finish(index, result)
 
     return task
+
+
+def _hint(error: BaseException) -> str:
+    """Why a replica fails where the module alone ran: said next to the replica's name."""
+    if isinstance(error, StopIteration) and error.__traceback__ is not None:
+        last = traceback.extract_tb(error.__traceback__)[-1]
+        if "parameters()" in (last.line or ""):
+            # Transformer-XL's init_mems: `param = next(self.parameters())`.
+            return (" (a replica's parameters() is empty, in torch's DataParallel on GPUs too since torch 1.5: "
+                    "take the device and dtype from an input or a buffer)")
+    return ""
 
 
 def run_in_state(

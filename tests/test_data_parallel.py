@@ -405,6 +405,27 @@ def test_replica_failure_names_the_device_that_ran_it(make_dp) -> None:
     assert (failure.index, failure.device) == (1, "cpu:2")
 
 
+class MemsFromParameters(nn.Module):
+    """kimiyoung/transformer-xl pytorch/mem_transformer.py init_mems: its dtype and device from a parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, x):
+        param = next(self.parameters())
+        return self.lin(x.to(param.dtype))
+
+
+def test_a_replica_taking_next_of_its_empty_parameters_is_told_why(make_dp) -> None:
+    # Unsplit (plain torch without GPUs) it runs; every replica, as on GPUs, has no parameters().
+    module = MemsFromParameters()
+    module(torch.randn(2, 3))
+    with pytest.raises(StopIteration) as info:
+        make_dp(module, cpus(2))(torch.randn(4, 3))
+    assert "in replica 0 on device cpu:0 (a replica's parameters() is empty" in str(info.value)
+
+
 def test_errors_not_from_a_replica_have_no_failure_info() -> None:
     assert dpengine.replica_failure(ValueError("plain")) is None
 

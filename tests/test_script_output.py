@@ -81,6 +81,18 @@ def test_a_redraw_overwrites_from_the_lines_start_as_a_terminal_does():
     assert out == [("EPOCH 1: 100 batches", True), ("EPOCH 1: 100 batches", False), ("next", False)]
 
 
+def test_backspaces_move_back_and_overwrite_as_on_a_terminal():
+    # kuangliu/pytorch-cifar utils.progress_bar: bar, message, padding to the terminal's width,
+    # backspaces to the bar's middle, ' 2/3 ', then \r (a newline after the last batch).
+    clock = Clock()
+    lines, out = collect(clock)
+    bar = " [==>....] | Loss: 1.5" + " " * 10
+    lines.feed((bar + "\b" * 26 + " 2/3 " + "\r").encode())
+    lines.feed(b"\b\b\bno\n")  # never further back than the line's start
+    expected = " [==>. 2/3 | Loss: 1.5"  # back to column 6 of 32, five characters written over
+    assert out == [(expected, True), ("no" + expected[2:], False)]
+
+
 def test_a_line_without_end_is_handed_on_in_pieces():
     clock = Clock()
     lines, out = collect(clock)

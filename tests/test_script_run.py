@@ -351,10 +351,41 @@ def test_a_fifo_log_that_nothing_reads_is_refused_and_one_that_is_read_gets_the_
     assert of_type(events, "script_exited") == [{"type": "script_exited", "code": 3, "signal": None}]
 
 
-def test_help_says_json_gives_the_script_an_empty_stdin(capsys):
+def test_help_says_json_gives_the_script_a_terminal_without_input(capsys):
     with pytest.raises(SystemExit):
         main(["run", "--help"])
-    assert "the script gets an empty stdin" in " ".join(capsys.readouterr().out.split())
+    assert "the script's stdin is a terminal that never has input" in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_script_that_asks_stty_for_the_terminal_size_runs_and_its_input_is_at_end(tmp_path, monkeypatch):
+    # kuangliu/pytorch-cifar's progress bar runs `stty size` at import: on an empty stdin it raised
+    # ValueError in dptui's UI, where under python in a terminal it ran.
+    monkeypatch.setenv("COLUMNS", "100")
+    ckpt = tmp_path / "checkpoint" / "ckpt.pth"
+    done = dptui("--headless", "--json", "--no-telemetry", "--devices", "cpu:0,cpu:1",
+                 script("real/cifar_progress_bar.py"), str(ckpt))
+    assert done.returncode == 0, done.stderr
+    events = json_events(done.stdout)
+    lines = [o["line"] for o in of_type(events, "output") if not o.get("cr")]
+    assert lines[0] == "term_width 100"
+    assert lines[-1] == "input() EOFError"  # reads end at once, as on an empty stdin
+    assert [[r["chunk_size"] for r in s["replicas"]] for s in of_type(events, "step")] == [[4, 4]] * 3
+    state = torch.load(ckpt, weights_only=True)["net"]
+    net = torch.nn.DataParallel(torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.ReLU(), torch.nn.Linear(16, 10)))
+    net.load_state_dict(state)
+    assert "module.0.weight" in state
+
+
+def test_without_a_pseudo_terminal_the_script_gets_an_empty_stdin(monkeypatch):
+    def no_pty():
+        raise OSError("out of pty devices")
+
+    monkeypatch.setattr(os, "openpty", no_pty)
+    out: list[str] = []
+    run = ScriptRun(ScriptTarget(script("plain_loop.py"), ("1",)), ("cpu:0", "cpu:1"), telemetry_interval=None)
+    run.subscribe(lambda e: out.append(e.line) if isinstance(e, ScriptOutput) else None)
+    run.run()
+    assert run.exit_code == 0 and "step 1: loss" in " ".join(out)
 
 
 def test_dptui_help_lists_the_run_subcommand(capsys):

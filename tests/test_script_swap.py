@@ -14,6 +14,7 @@ import sys
 import threading
 from pathlib import Path
 
+import torch
 from waiting import holds_for, wait_for
 
 from dpengine.eventlog.events import ConfigChanged, StateChanged, StepFinished
@@ -101,6 +102,25 @@ def test_the_functional_data_parallel_is_recorded_like_the_class():
     assert per_instance == [2, 6]  # per iteration: the generator once, the discriminator three times
     assert all(chunks(s) == [("cpu:0", 3), ("cpu:1", 3), ("cpu:2", 2)] for s in steps_of(events))
     assert "[0/1][1/2] Loss_D:" in stdout
+
+
+def test_gpu_ids_without_gpus_run_on_the_virtual_devices_of_their_numbers_and_dptui_says_so(tmp_path):
+    # dcgan today: `nn.parallel.data_parallel(self.main, input, range(self.ngpu))` (dpengine refused
+    # GPU 0 with a ValueError traceback; torch's own raises "device type could not be determined").
+    # Two devices asked on the command line; the script's own ids win, as explicit ids do.
+    done = subprocess.run(
+        [sys.executable, "-m", "tui.cli", "run", "--headless", "--json", "--no-telemetry", "--devices",
+         "cpu:0,cpu:1", str(REAL / "dcgan_ngpu.py"), "--outf", str(tmp_path)],
+        capture_output=True, text=True, timeout=180,
+    )
+    assert done.returncode == 0, done.stderr
+    events = [json.loads(line) for line in done.stdout.splitlines()]
+    assert all(chunks(s) == [("cpu:0", 3), ("cpu:1", 3), ("cpu:2", 2)] for s in steps_of(events))
+    assert sorted(len(steps_of(events, label)) for label in instances(events)) == [2, 6]
+    assert [e["text"] for e in events if e["type"] == "notice"] == [
+        "the script asks DataParallel for GPU 0, 1, 2 and this machine has none: dptui ran them on "
+        "virtual devices cpu:0, cpu:1, cpu:2"]
+    assert set(torch.load(tmp_path / "netD_epoch_0.pth", weights_only=True)) >= {"main.0.weight"}
 
 
 def test_every_step_of_every_instance_reaches_json_and_the_log(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import threading
 import time
@@ -80,6 +81,19 @@ def test_cpu_first_sample_is_not_a_bogus_zero() -> None:
     (s,) = source.sample()
     # This process's share of the machine's cores; psutil unprimed would say 0.0.
     assert s.utilization_pct > 0.5 * 100 * used / wall / psutil.cpu_count(), (s.utilization_pct, used, wall)
+
+
+def test_cpu_source_of_a_script_that_ended_gives_no_sample_and_no_error() -> None:
+    # dptui run watches the script's process; its last poll can come after the script was reaped
+    # (seen as a "telemetry poll failed" traceback at the end of a real pytorch-cifar run).
+    script = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        source = CpuSource(["cpu:0", "cpu:1"], thread_ids=lambda: {}, pid=script.pid)
+        assert len(source.sample()) == 2
+    finally:
+        script.kill()
+        script.wait()
+    assert source.sample() == ()
 
 
 def test_cpu_per_thread_utilisation_tells_busy_from_idle() -> None:

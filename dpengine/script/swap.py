@@ -23,7 +23,7 @@ import torch
 from ..data_parallel import DataParallel as EngineDataParallel
 from ..data_parallel import extends_forward
 from ..devices import device_name, resolve_devices
-from . import torch_pieces, training_hooks
+from . import gpu_ids, torch_pieces, training_hooks
 from .dp_phases import DpPhases
 from .instances import Instances, call_site
 from .link import ParentLink
@@ -31,6 +31,7 @@ from .link import ParentLink
 _link: ParentLink | None = None
 _phases: DpPhases | None = None  # data and optimizer time and the loss of every step (dp_phases.py)
 _instances = Instances()
+_said: set[str] = set()  # notices posted, each once
 _gating = threading.local()  # .dp: the DataParallel whose overriding forward passed the gate on this thread
 
 _SUBMODULE = "torch.nn.parallel.data_parallel"
@@ -48,6 +49,9 @@ class DataParallel(EngineDataParallel):
         link = _link
         if device_ids is None and link is not None:
             device_ids = list(link.devices)
+        elif link is not None:  # GPU ids on a machine without GPUs: the virtual devices of their numbers
+            device_ids = gpu_ids.as_virtual(device_ids, _notice_once)
+            output_device = gpu_ids.output_as_virtual(output_device)
         super().__init__(module, device_ids, output_device, dim, **kwargs)
         object.__setattr__(self, "_dptui_control", link.control_version if link else 0)
         if link is not None:
@@ -142,6 +146,12 @@ class DataParallel(EngineDataParallel):
         self.set_devices(devices)
         link.post({"type": "config", "instance": self._dptui_key,
                    "devices": list(target), "step": self._step + 1, "request": request})
+
+
+def _notice_once(text: str) -> None:
+    if text not in _said and _link is not None:
+        _said.add(text)
+        _link.post({"type": "notice", "text": text})
 
 
 def _gated(forward):

@@ -39,9 +39,12 @@ class CpuSource:
 
     def sample(self) -> tuple[DeviceSample, ...]:
         now = time.monotonic()
-        process_pct = min(100.0, self._process.cpu_percent(None) / self._cores)
-        rss = self._process.memory_info().rss
-        per_device = self._device_utilisation()
+        try:
+            process_pct = min(100.0, self._process.cpu_percent(None) / self._cores)
+            rss = self._process.memory_info().rss
+            per_device = self._device_utilisation()
+        except psutil.NoSuchProcess:  # the watched script has ended (and been reaped): nothing to show
+            return ()
         return tuple(
             DeviceSample(
                 device=device,

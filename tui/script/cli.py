@@ -47,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="no UI: the script's output passes through unchanged")
     parser.add_argument("--json", action="store_true",
                         help="with --headless: JSON Lines events on stdout, the script's output as "
-                        '{"type": "output", ...} events; the script gets an empty stdin (as in the UI)')
+                        '{"type": "output", ...} events; as in the UI, the script\'s stdin is a terminal that never '
+                        'has input: it has a size (stty size) and reads see end of file')
     parser.add_argument("--log", metavar="FILE", help="write the run's events as JSON Lines to FILE")
     parser.add_argument("--trace", metavar="FILE",
                         help="write the run as a trace Perfetto and chrome://tracing open (Chrome trace JSON)")

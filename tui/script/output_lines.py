@@ -4,7 +4,9 @@ tqdm and friends redraw one line with `\\r` and never end it until the bar close
 shows that line's latest state; so does this: a line holding a `\\r` is handed on as it stands
 now (`cr=True`), at most every `interval` seconds however fast the bar redraws, and once more,
 as a plain line, when its newline comes. Text after a `\\r` overwrites the line from its start,
-as on a terminal, so a shorter redraw keeps the longer one's tail as tqdm expects.
+as on a terminal, so a shorter redraw keeps the longer one's tail as tqdm expects. A backspace
+moves back one column, as on a terminal, and marks the line as redrawn: kuangliu/pytorch-cifar's
+progress bar writes its `2/3` over its own padding after eighty of them.
 """
 
 from __future__ import annotations
@@ -74,6 +76,12 @@ class OutputLines:
                 self._end_line()
 
     def _write(self, text: str) -> None:
+        for i, run in enumerate(text.split("\b")):
+            if i:
+                self._column, self._cr = max(0, self._column - 1), True
+            self._put(run)
+
+    def _put(self, text: str) -> None:
         while text:
             room = MAX_LINE_CHARS - self._column
             piece, text = text[:room], text[room:]

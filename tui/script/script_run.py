@@ -41,6 +41,7 @@ from .events import DataParallelSeen, ScriptExited, ScriptNotice, ScriptOutput, 
 from .failure_record import FailureRecord
 from .notices import end_notices
 from .output_lines import OutputLines, read_lines
+from .quiet_tty import QuietTty
 from .rank_hub import RankHub
 from .stopping import GRACE_S, escalate, signal_group
 
@@ -91,6 +92,7 @@ class ScriptRun(Publisher):
         self._events_r = -1
         self._control_w: int | None = None
         self._lifeline_w: int | None = None
+        self._tty: QuietTty | None = None  # the script's stdin while dptui captures its output
         self._stopping = False
         self._hurry = threading.Event()  # a second stop: cut the grace periods short
         self._done = threading.Event()
@@ -102,6 +104,7 @@ class ScriptRun(Publisher):
         self._threads: dict[str, dict[str, int]] = {}  # per instance: device -> native thread id
         self._stepped: set[str] = set()  # instances with a step recorded
         self._used: list[str] = []  # classes the child built and does not record (wire `used`)
+        self._child_notices: list[str] = []  # what the child did differently from torch (wire `notice`)
         self._steps = self._samples = 0
         self._last_loss: float | None = None
         self._requests = 0  # numbered as a Trainer numbers them; the child's events carry them back
@@ -146,6 +149,8 @@ class ScriptRun(Publisher):
         finally:
             self._ranks.close()
             self._close_control()
+            if self._tty is not None:
+                self._tty.close()
             self._done.set()
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -230,19 +235,25 @@ class ScriptRun(Publisher):
         if self._capture:
             env["PYTHONUNBUFFERED"] = "1"  # lines as they are printed, not in 8 KiB blocks
         pipe = subprocess.PIPE if self._capture else None
+        self._tty = QuietTty.open() if self._capture else None  # the terminal's size for `stty size`, no input
         try:
             self._proc = spawner.popen(
                 self.target.bootstrap_argv(), env=env, pass_fds=(events_w, control_r, lifeline_r),
-                stdin=subprocess.DEVNULL if self._capture else None, stdout=pipe, stderr=pipe,
+                stdin=self._tty.stdin if self._tty else subprocess.DEVNULL if self._capture else None,
+                stdout=pipe, stderr=pipe,
                 start_new_session=True,
             )
         except BaseException:
             for fd in (events_r, control_w, lifeline_w):
                 os.close(fd)
+            if self._tty is not None:
+                self._tty.close()
             raise
         finally:
             for fd in (events_w, control_r, lifeline_r):  # the child's ends: ours would keep the pipes open
                 os.close(fd)
+            if self._tty is not None:
+                self._tty.child_started()
         self._events_r = events_r
         self._control_w = control_w
         self._lifeline_w = lifeline_w
@@ -299,6 +310,8 @@ class ScriptRun(Publisher):
             self._publish(DataParallelSeen(instance, tuple(body["devices"]), len(self._seen), body.get("copy_of")))
         elif kind == "used" and body.get("what") not in self._used:
             self._used.append(str(body.get("what")))
+        elif kind == "notice" and str(body.get("text")) not in self._child_notices:
+            self._child_notices.append(str(body.get("text")))
         elif kind == "step":
             self._stepped.add(instance)
             if self._shown is None:
@@ -354,6 +367,8 @@ class ScriptRun(Publisher):
         seconds = time.monotonic() - self._started_at
         gpus = sum(d.startswith("cuda:") for d in self._available)
         completed = code == 0 and not self._stopping
+        for text in self._child_notices:
+            self._publish(ScriptNotice(text))
         if self._seen or not self._ranks.joined:  # ranks it spawned were watched: no "built no DataParallel"
             for text in end_notices(list(self._seen), self._stepped, self._used, gpus, completed):
                 self._publish(ScriptNotice(text))
