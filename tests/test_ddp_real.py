@@ -113,3 +113,20 @@ def test_two_nodes_on_loopback_node_0_shows_both_ranks():
     assert sorted((s["rank"], s["step"]) for s in of_type(events, "rank_step")) == [
         (r, s) for r in range(2) for s in range(22)]
     assert verdicts(events)[:1] == [(1, "forward")]
+
+
+FSDP_SCRIPT = str(Path(__file__).parent / "fixtures" / "ranks" / "fsdp_no_ddp.py")
+
+
+@pytest.mark.parametrize("flag, said", [
+    ((), "the script built no torch.nn.parallel.DistributedDataParallel, so dptui recorded no step"),
+    (("--ddp-eval-only",), "the script built a DistributedDataParallel but trained no step through it")])
+def test_a_script_that_trains_no_ddp_step_runs_as_under_torchrun_and_dptui_says_why_it_recorded_none(flag, said):
+    done = dptui("--nproc-per-node", "2", "--headless", "--json", "--no-telemetry", FSDP_SCRIPT, *flag)
+    assert done.returncode == 0, done.stderr
+    events = json_events(done.stdout)
+    printed = {(o["rank"], o["line"]) for o in of_type(events, "output") if o.get("rank") is not None}
+    assert printed >= {(r, f"rank {r} step {s} done") for r in range(2) for s in range(3)}
+    assert not of_type(events, "rank_step")
+    notices = [n["text"] for n in of_type(events, "notice")]
+    assert [n for n in notices if said in n] and len([n for n in notices if "recorded no step" in n]) == 1, notices
