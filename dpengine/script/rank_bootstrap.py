@@ -121,7 +121,10 @@ def script_ended(link, exit_code: int, error: BaseException | None) -> None:
     if error is None:
         link.script_finished(exit_code)
     else:
-        text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        from .bootstrap import user_frames
+
+        # The script's frames only, as on its stderr: none of the bootstrap's or runpy's.
+        text = "".join(traceback.format_exception(type(error), error, user_frames(error.__traceback__)))
         line = f"{type(error).__name__}: {error}".splitlines()[0] if str(error) else type(error).__name__
         link.rank_failed(socket.gethostname(), line, text)
     link.flush()
