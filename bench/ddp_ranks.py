@@ -1,7 +1,7 @@
 """10. A DDP script's own step time under the rank bootstrap (what `dptui run --nproc-per-node 2` runs on
 each rank: the recording DDP, its comm hook, the phase clock, the sender) against plain torchrun.
 
-The same script, 2 gloo ranks, a step of about 50 ms (two 1024-wide linear layers, batch 128), its
+The same script, 2 gloo ranks, a step of at least 50 ms on a 2-core host (two 1024-wide linear layers, batch 256), its
 own step time measured by itself (median over its steps after warm-up, rank 0). The recorded runs
 send to a sink that reads and discards, as dptui's server would read. Runs alternate, plain and
 recorded, round by round; the figure is the median over rounds, the ratio a ratio of medians.
@@ -23,6 +23,7 @@ from dpengine.script import rank_wire
 from .common import Goal, Section, paired_ratio, stats, time_rows
 
 GOAL = 0.02  # issue 21: within 2% of plain torchrun for a step of 50 ms or more
+MIN_STEP_MS = 50.0
 STEPS, WARMUP = 60, 10
 
 SCRIPT = f"""
@@ -38,7 +39,7 @@ dist.init_process_group("gloo")
 torch.manual_seed(0)
 model = DistributedDataParallel(nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024)))
 optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
-x = torch.randn(128, 1024)
+x = torch.randn(256, 1024)
 times = []
 for step in range({STEPS}):
     started = time.perf_counter()
@@ -118,9 +119,11 @@ def run(quick: bool = False) -> Section:
                               labels)
     cost = st["recorded"].median / st["plain"].median - 1
     paired = paired_ratio(samples, "recorded", "plain") - 1
+    step_ms = st["plain"].median * 1e3
+    verdict = "met" if abs(cost) <= GOAL else "MISSED"
     section.goals.append(Goal(
-        10, f"a 50 ms DDP step under the rank bootstrap vs plain torchrun: within {GOAL:.0%}",
-        f"{cost:+.2%} (paired {paired:+.2%}; step {st['plain'].median * 1e3:.0f} ms)",
-        "met" if abs(cost) <= GOAL else "MISSED",
+        10, f"a DDP step of {MIN_STEP_MS:.0f} ms or more under the rank bootstrap vs plain torchrun: within {GOAL:.0%}",
+        f"{cost:+.2%} (paired {paired:+.2%}; step {step_ms:.0f} ms)",
+        verdict if step_ms >= MIN_STEP_MS else f"not measured: the step took {step_ms:.0f} ms",
     ))
     return section

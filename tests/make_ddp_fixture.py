@@ -71,7 +71,7 @@ def _steps(rng: random.Random) -> list[list[RankStepFinished]]:
                 data_start_ms=starts["data"], forward_start_ms=starts["forward"],
                 backward_start_ms=starts["backward"], comm_wait_start_ms=starts["comm_wait"],
                 optimizer_start_ms=starts["optimizer"], other_start_ms=starts["other"],
-                first_collective_ms=round(starts["comm_wait"] - 0.2, 3),
+                allreduce_end_ms=round(starts["comm_wait"] + wait, 3),
             ))
         out.append(records)
     return out

@@ -549,7 +549,13 @@ def test_every_rank_steps_phases_and_a_rank_slow_in_forward_is_named():
     verdicts = [e for e in events if isinstance(e, StragglerFound)]
     assert verdicts, "no straggler verdict"
     assert (verdicts[0].rank, verdicts[0].phase) == (1, "forward")
-    assert f"step {verdicts[0].step}: rank 1 is the straggler: forward +" in headless.getvalue()
+    printed = headless.getvalue()
+    assert f"step {verdicts[0].step}: rank 1 is the straggler: forward +" in printed
+    # The end: a row per rank with its steps, and the verdicts seen again.
+    table = printed[printed.index("rank  host"):].splitlines()
+    assert [row.split()[0] for row in table[1:3]] == ["0", "1"]
+    assert all(int(row.split()[4]) == sum(1 for e in steps if e.rank == int(row.split()[0])) for row in table[1:3])
+    assert "straggler verdicts:" in table and any("rank 1 is the straggler: forward" in row for row in table)
 
 
 def test_balanced_ranks_get_no_verdict_and_the_hosts_time_is_no_phase():

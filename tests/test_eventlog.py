@@ -70,7 +70,7 @@ def ddp_events() -> list:
             optimizer_ms=2.0, other_ms=0.5, total_ms=37.0, loss=0.75, samples=32, micro_batches=2,
             memory_bytes=1 << 20, peak_memory_bytes=2 << 20, data_start_ms=0.0, forward_start_ms=1.5,
             backward_start_ms=11.5, comm_wait_start_ms=31.5, optimizer_start_ms=34.5, other_start_ms=36.5,
-            first_collective_ms=12.0,
+            allreduce_end_ms=12.0,
         ),
         RankStepFinished(
             rank=0, step=7, data_ms=1.0, forward_ms=9.0, backward_ms=18.0, comm_wait_ms=8.0,

@@ -117,7 +117,7 @@ def test_a_slow_rank_shows_in_the_phase_it_is_slow_in(tmp_path: Path) -> None:
             phases = (record.data_ms + record.forward_ms + record.backward_ms + record.comm_wait_ms
                       + record.optimizer_ms + record.other_ms)
             assert phases == pytest.approx(record.total_ms, abs=0.01)
-            assert record.memory_bytes > 0 and record.first_collective_ms is not None
+            assert record.memory_bytes > 0 and record.allreduce_end_ms is not None
     losses = printed_losses(out)
     assert all(steps[r][s]["loss"] == pytest.approx(losses[r, s]) for r in (0, 1) for s in range(14))
 

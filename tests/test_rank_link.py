@@ -90,6 +90,40 @@ def test_a_pause_blocks_before_step_n_until_resume_and_says_so():
     assert states == [("paused", 3), ("running", 3)]
 
 
+def test_a_pause_before_a_step_already_begun_is_answered_late_and_a_later_pause_releases_a_blocked_rank():
+    ours, theirs = socket.socketpair()
+    link = RankLink(ours, rank=1)
+    reader = Reader(theirs)
+    assert link.before_step(0) is False and link.before_step(1) is False
+    theirs.sendall(b'{"op": "pause", "step": 1}\n')  # step 1 began: pausing before step 2 would split the ranks
+    wait_for(lambda: any(line.get("state") == "late" for line in reader.lines), "the late answer")
+    assert [line for line in reader.lines if line["type"] == "state"] == [
+        {"type": "state", "rank": 1, "state": "late", "step": 1, "asked": 1}]
+    assert link.before_step(2) is False  # not paused by a pause it answered late
+    # The other rank's case: it blocked before step 3, then dptui asks again for step 5.
+    theirs.sendall(b'{"op": "pause", "step": 3}\n')
+    wait_for(lambda: link._pause_at == 3, "the pause to arrive")
+    returned = []
+    thread = threading.Thread(target=lambda: returned.append(link.before_step(3)))
+    thread.start()
+    wait_for(lambda: any(line.get("state") == "paused" for line in reader.lines), "paused before 3")
+    theirs.sendall(b'{"op": "pause", "step": 5}\n')
+    thread.join(10)
+    assert returned == [True]
+    assert link.before_step(4) is False
+    blocked = threading.Thread(target=lambda: returned.append(link.before_step(5)))
+    blocked.start()
+    wait_for(lambda: [line.get("step") for line in reader.lines if line.get("state") == "paused"] == [3, 5],
+             "paused before 5")
+    holds_for(lambda: len(returned) == 1, 0.3, "step 5 began while paused")
+    theirs.sendall(b'{"op": "resume"}\n')
+    blocked.join(10)
+    assert returned == [True, True]
+    wait_for(lambda: len([line for line in reader.lines if line["type"] == "state"]) == 5, "every answer")
+    states = [(line["state"], line["step"]) for line in reader.lines if line["type"] == "state"]
+    assert states == [("late", 1), ("paused", 3), ("running", 3), ("paused", 5), ("running", 5)]
+
+
 def test_when_dptui_is_gone_the_rank_trains_on_unpaused_and_unrecorded():
     ours, theirs = socket.socketpair()
     link = RankLink(ours, rank=1)

@@ -67,6 +67,18 @@ def test_dptui_run_shows_the_ranks_a_script_spawns() -> None:
     assert finished["final_loss"] == pytest.approx(losses[0, 3])
 
 
+def test_headless_ends_with_a_row_per_spawned_rank_and_the_verdicts() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DPTUI_")}
+    done = subprocess.run([sys.executable, "-m", "tui.cli", "run", "--headless", "--no-telemetry", str(SCRIPT),
+                           free_port(), "3"], env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    assert len(printed_losses(done.stdout)) == 6  # the script's own lines, as under plain python
+    table = done.stderr[done.stderr.index("rank  host"):].splitlines()
+    rows = {line.split()[0]: line.split() for line in table[1:3]}
+    assert sorted(rows) == ["0", "1"] and all(row[4] == "3" for row in rows.values())  # 3 steps each
+    assert "straggler verdicts: none" in table
+
+
 def test_a_spawned_rank_that_raises_is_named_with_its_error() -> None:
     code, events = dptui_json("2", "1")
     assert code != 0

@@ -82,7 +82,7 @@ def test_a_step_is_cut_into_its_phases(steps, clock, sent):
     assert second.optimizer_ms == pytest.approx(5) and second.other_ms == pytest.approx(2)
     assert second.total_ms == pytest.approx(82)
     assert second.forward_start_ms == pytest.approx(30) and second.comm_wait_start_ms == pytest.approx(60)
-    assert second.first_collective_ms == pytest.approx(60) and second.optimizer_start_ms == pytest.approx(77)
+    assert second.allreduce_end_ms == pytest.approx(75) and second.optimizer_start_ms == pytest.approx(77)
     assert (second.memory_bytes, second.peak_memory_bytes, second.samples, second.loss) == (100, 200, 8, 1.0)
 
 

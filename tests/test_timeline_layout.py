@@ -68,14 +68,14 @@ def test_a_replica_without_backward_yet_has_no_backward_bar():
     assert timeline.span_ms == pytest.approx(12.5)
 
 
-def test_ranks_line_up_on_their_first_collective_and_the_fast_one_waits_for_the_slow():
+def test_ranks_line_up_on_their_allreduce_end_and_the_fast_one_waits_for_the_slow():
     timeline = ddp_timeline(ddp_ranks(5))
     assert timeline.title == "timeline · step 5" and not timeline.approximate
     assert [r.name for r in timeline.rows] == ["rank 0", "rank 1"]
     fast, slow = spans(timeline, 0), spans(timeline, 1)
     assert [s.kind for s in timeline.rows[0].spans] == ["data", "forward", "backward", "comm_wait", "optimizer",
                                                          "other"]
-    # Rank 1's clock is 1 ms later (its first collective at 13.5, rank 0's at 12.5): rank 0 moves 1 ms on.
+    # Rank 1's clock is 1 ms later (its all-reduce ends at 37.8, rank 0's at 36.8): rank 0 moves 1 ms on.
     assert fast["data"].start_ms == pytest.approx(1.0) and slow["data"].start_ms == pytest.approx(1.0)
     assert fast["comm_wait"].label == "waits 9.8 ms for rank 1"
     assert slow["comm_wait"].label == "comm_wait 0.200 ms"  # the slowest waits for nobody

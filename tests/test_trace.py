@@ -162,6 +162,40 @@ def test_ddp_ranks_get_a_track_each_and_steps_align_on_the_slowest():
     assert APPROXIMATE in process
 
 
+def test_ddp_ranks_line_up_on_the_end_of_their_allreduce_whatever_order_their_records_come_in():
+    started = to_json_dict(demo_events(("cpu:0", "cpu:1"), epochs=0)[0])
+    started["config"]["backend"] = "ddp"
+
+    def with_offsets(rank: int, step: int) -> dict:
+        data = rank_step(rank, step, slow=3.0 * rank)
+        at = 0.0
+        for phase in ("data", "forward", "backward", "comm_wait", "optimizer", "other"):
+            data[f"{phase}_start_ms"] = at
+            at += data[f"{phase}_ms"]
+        data["allreduce_end_ms"] = data["comm_wait_start_ms"] + data["comm_wait_ms"]
+        return data
+
+    # Rank 1 runs a step ahead of rank 0's records; step 3 of rank 0 never comes (the run was cut short).
+    events = [started, with_offsets(1, 1), with_offsets(1, 2), with_offsets(0, 1), with_offsets(1, 3),
+              with_offsets(0, 2)]
+    trace = trace_of(events)
+    tracks = {tid: name for (_, tid), name in named(trace, "thread_name").items()}
+    starts = [e["ts"] for e in trace if e["ph"] == "i"]
+    assert [e["name"] for e in trace if e["ph"] == "i"] == ["step 1", "step 2", "step 3"]
+    for step in (1, 2):
+        ends = {tracks[e["tid"]]: e["ts"] + e["dur"] for e in complete(trace, "comm_wait") if e["args"]["step"] == step}
+        assert ends["rank 0"] == pytest.approx(ends["rank 1"])  # they leave the all-reduce together
+        (slow_data,) = [e for e in complete(trace, "data") if e["args"]["step"] == step
+                        and tracks[e["tid"]] == "rank 1"]
+        assert slow_data["ts"] == pytest.approx(starts[step - 1])  # the slowest rank starts the step
+    # Rank 0's all-reduce ends 16 ms into its step, rank 1's 17 ms into its own: rank 0's row moves 1 ms on.
+    (fast_data,) = [e for e in complete(trace, "data") if e["args"]["step"] == 1 and tracks[e["tid"]] == "rank 0"]
+    assert fast_data["ts"] - starts[0] == pytest.approx(1000.0)
+    assert [tracks[e["tid"]] for e in complete(trace, "forward") if e["args"]["step"] == 3] == ["rank 1"]
+    (process,) = named(trace, "process_name").values()
+    assert APPROXIMATE not in process
+
+
 def test_each_run_is_a_process_and_the_file_is_valid_json_as_it_is_written():
     first, second = demo_events(DEVICES, epochs=1), demo_events(DEVICES, epochs=1)
     out = _Text()

@@ -81,7 +81,7 @@ def ddp_ranks(step: int = 5, *, offsets: bool = True) -> tuple[RankStepFinished,
         return RankStepFinished(
             rank=number, step=step, **{f"{p}_ms": d for p, d in phases.items()}, total_ms=at - clock,
             loss=0.5, samples=16, micro_batches=1, memory_bytes=None, peak_memory_bytes=None, **starts,
-            first_collective_ms=(clock + 12.5) if offsets else None,
+            allreduce_end_ms=at - phases["optimizer"] - phases["other"] if offsets else None,
         )
 
     return rank(0, 0.0, 15.0, 9.8), rank(1, 1.0, 24.6, 0.2)

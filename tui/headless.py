@@ -19,7 +19,7 @@ from dpengine.eventlog.events import (
     StragglerCleared,
     StragglerFound,
 )
-from dpengine.eventlog.summary import verdict_words
+from dpengine.eventlog.summary import RunSummary, rank_lines, verdict_words
 
 from . import event_text as text
 
@@ -28,7 +28,8 @@ class TextPrinter:
     """Prints what the classic DataParallel tutorial prints, plus epoch summaries.
 
     `every` thins the per-step lines for long runs: only every Nth step is shown
-    (0 shows none); epoch summaries and the final loss are always printed.
+    (0 shows none); epoch summaries and the final loss are always printed. A run with ranks
+    (--backend ddp) ends with a row per rank and the straggler verdicts seen.
     """
 
     def __init__(self, out: IO[str] | None = None, err: IO[str] | None = None, every: int = 1) -> None:
@@ -38,8 +39,10 @@ class TextPrinter:
         self._err = err
         self._every = every
         self._lock = threading.Lock()
+        self._summary = RunSummary()
 
     def __call__(self, event: Event) -> None:
+        self._summary.feed(event)
         lines = self._lines(event)
         if not lines:
             return
@@ -69,7 +72,10 @@ class TextPrinter:
         if isinstance(event, (StragglerFound, StragglerCleared)):  # --backend ddp's verdicts
             return [verdict_words(event)]
         if isinstance(event, RunFinished):
-            return text.result_lines(event)
+            return text.result_lines(event) + self._rank_table()
         if isinstance(event, RunFailed):
-            return [text.failure_line(event)]
+            return [text.failure_line(event)] + self._rank_table()
         return []  # telemetry has no text form; use --json
+
+    def _rank_table(self) -> list[str]:
+        return rank_lines(self._summary) if self._summary.ranks() else []

@@ -11,9 +11,10 @@ minus comm_wait: the largest backward would blame the wrong rank).
 
 Phases start where the record says (`<phase>_start_ms`, from the step's start). Where a
 record has no start (older logs), the phases are laid end to end and the timeline says it
-is approximate. Ranks' offsets are from their own step start; where every rank gives its
-first collective's start, the rows are shifted so that those line up (the clocks of the
-ranks' processes differ: the first collective is the one moment they share).
+is approximate. Ranks' offsets are from their own step start; where every rank gives the end
+of its gradient all-reduce, the rows are shifted so that those line up (the ranks' processes
+keep their own clocks: the all-reduce's end is the one moment they share, as every rank
+leaves it together).
 """
 
 from __future__ import annotations
@@ -148,14 +149,14 @@ def ddp_timeline(ranks: Sequence[RankStepFinished]) -> Timeline:
     """The rows of one DDP step, a row per rank (`ranks`: that step's events, any order)."""
     ranks = sorted(ranks, key=lambda r: r.rank)
     exact = True
-    collectives = [r.first_collective_ms for r in ranks]
-    aligned = all(c is not None for c in collectives)
-    reference = max(collectives) if aligned and collectives else 0.0
+    ends = [r.allreduce_end_ms for r in ranks]
+    aligned = all(end is not None for end in ends)
+    reference = max(ends) if aligned and ends else 0.0
     slowest = max(ranks, key=_own_ms).rank if ranks else None
 
     rows = []
     for rank in ranks:
-        shift = reference - rank.first_collective_ms if aligned else 0.0
+        shift = reference - rank.allreduce_end_ms if aligned else 0.0
         at = 0.0
         spans = []
         for phase in RANK_PHASES:

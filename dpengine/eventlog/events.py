@@ -167,8 +167,9 @@ class RankStepFinished:
     comm_wait_start_ms: float | None = None
     optimizer_start_ms: float | None = None
     other_start_ms: float | None = None
-    # The first collective's start, from the step start: where ranks' steps are aligned on one axis.
-    first_collective_ms: float | None = None
+    # The end of the step's gradient all-reduce, from the step start: every rank leaves it together,
+    # so the ranks' steps are lined up on it (None where no Python comm hook could time it).
+    allreduce_end_ms: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,8 +6,10 @@
 - One complete event (`"ph": "X"`) per phase per step; an instant event (`"ph": "i"`) at each
   step's start.
 - Times are microseconds from the run's start: a DataParallel step ends at its event's
-  `seconds`. DDP ranks are aligned on the step: a step starts when the previous one's slowest
-  rank ended, and a rank's record that comes after the next step's first still goes in its step.
+  `seconds`. A DDP step is written once every rank's record of it came (or when
+  RECENT_RANK_STEPS later steps are waiting, or at the end): it starts when the previous one's
+  slowest rank ended, and its ranks are lined up on the end of their gradient all-reduce, which
+  every rank leaves together (`allreduce_end_ms`; without it, on their step starts).
 
 A phase starts at its `<phase>_start_ms` (relative to the step's start) where the record has
 one. Where it has none, the phases are laid end to end (scatter, replicate, apply, gather on
@@ -25,7 +27,6 @@ still opens (the format lets the closing bracket go missing).
 from __future__ import annotations
 
 import json
-import math
 import os
 import threading
 from collections.abc import Iterator
@@ -36,7 +37,7 @@ from .events import to_json_dict
 ENGINE_PHASES = ("scatter", "replicate", "apply", "gather")
 RANK_PHASES = ("data", "forward", "backward", "comm_wait", "optimizer", "other")
 ENGINE_TRACK = "engine"
-RECENT_RANK_STEPS = 16  # DDP steps whose start is kept: a late rank's record of one still lines up
+RECENT_RANK_STEPS = 16  # DDP steps held for their ranks' records: a rank that far behind is written late
 APPROXIMATE = "approximate: phases laid end to end"
 
 
@@ -58,15 +59,16 @@ def _ms(value: Any) -> float | None:
 class _Run:
     """One process of the trace: its tracks and where its steps are."""
 
-    def __init__(self, pid: int, name: str) -> None:
+    def __init__(self, pid: int, name: str, world: int = 0) -> None:
         self.pid = pid
         self.name = name
         self.named = False  # its process_name is written at its first step, exact or approximate
         self.tracks: dict[str, int] = {}
         self.end_us = 0.0  # where its last step ended
-        # DDP: where each recent step starts (µs) and its slowest rank's time (ms), by step number; each
-        # rank sends its own records, so one may be a step ahead of another.
-        self.rank_steps: dict[Any, list[float]] = {}
+        self.world = world  # DDP: how many ranks' records make a step
+        # DDP: each step's records so far, by step number; each rank sends its own, so one may be
+        # a step ahead of another.
+        self.rank_steps: dict[Any, list[dict[str, Any]]] = {}
         self.steps = 0
 
 
@@ -103,9 +105,11 @@ class TraceWriter:
         with self._lock:
             if kind == "run_started":
                 config = data.get("config") if isinstance(data.get("config"), dict) else {}
+                devices = config.get("devices")
+                self._write_rank_steps()
                 self.runs += 1
                 name = f"run {self.runs}: {config.get('workload', '?')} · {config.get('backend', '?')}"
-                self._run = _Run(self.runs, name)
+                self._run = _Run(self.runs, name, len(devices) if isinstance(devices, list) else 0)
             elif kind == "step":
                 self._step(data)
             elif kind == "rank_step":
@@ -155,31 +159,50 @@ class TraceWriter:
     def _rank_step(self, data: dict[str, Any]) -> None:
         run = self._current()
         step = data.get("step")
-        where = run.rank_steps.get(step)
-        new_step = where is None
-        if new_step:  # the first rank's record of a step: it starts where the slowest rank's last one ended
-            where = run.rank_steps[step] = [run.end_us, 0.0]
-            if len(run.rank_steps) > RECENT_RANK_STEPS:
-                del run.rank_steps[next(iter(run.rank_steps))]
-            self._instant(run, step, where[0])
-        start_us = where[0]
-        exact, at = True, 0.0
+        records = run.rank_steps.setdefault(step, [])
+        records.append(data)
+        if run.world and len(records) >= run.world:  # every rank's: it and the steps before it
+            while run.rank_steps:
+                first = next(iter(run.rank_steps))
+                self._lay_out_ranks(run, first, run.rank_steps.pop(first))
+                if first == step:
+                    break
+        while len(run.rank_steps) > RECENT_RANK_STEPS:
+            first = next(iter(run.rank_steps))
+            self._lay_out_ranks(run, first, run.rank_steps.pop(first))
+
+    def _write_rank_steps(self) -> None:
+        """The steps still waiting for a rank's record (the run ended, or another began)."""
+        run = self._run
+        while run is not None and run.rank_steps:
+            first = next(iter(run.rank_steps))
+            self._lay_out_ranks(run, first, run.rank_steps.pop(first))
+
+    def _lay_out_ranks(self, run: _Run, step: Any, records: list[dict[str, Any]]) -> None:
+        records = sorted(records, key=lambda r: r.get("rank") if type(r.get("rank")) is int else -1)
+        ends = [_ms(data.get("allreduce_end_ms")) for data in records]
+        aligned = all(end is not None for end in ends)
+        reference = max(ends) if aligned else 0.0
+        exact, span = True, 0.0
         phases = []
-        track = f"rank {data.get('rank', '?')}"
-        for phase in RANK_PHASES:
-            duration = _ms(data.get(f"{phase}_ms"))
-            start = _ms(data.get(f"{phase}_start_ms"))
-            if phase == "other" and start is None and duration is not None:
-                start = at  # what is left of the step, after the phases measured
-            if start is None:
-                exact, start = False, at
-            if duration is not None:
-                phases.append((track, phase, start, duration, None))
-                at = max(at, start + duration)
-        total = _ms(data.get("total_ms"))
-        where[1] = max(where[1], total if total is not None else at)
-        self._lay_out(run, step, start_us, phases, exact, instant=False, count=new_step)
-        run.end_us = max(run.end_us, start_us + where[1] * 1000)
+        for data, end in zip(records, ends):
+            shift = reference - end if aligned else 0.0
+            at = 0.0
+            track = f"rank {data.get('rank', '?')}"
+            for phase in RANK_PHASES:
+                duration = _ms(data.get(f"{phase}_ms"))
+                start = _ms(data.get(f"{phase}_start_ms"))
+                if phase == "other" and start is None and duration is not None:
+                    start = at  # what is left of the step, after the phases measured
+                if start is None:
+                    exact, start = False, at
+                if duration is not None:
+                    phases.append((track, phase, shift + start, duration, None))
+                    at = max(at, start + duration)
+            total = _ms(data.get("total_ms"))
+            span = max(span, shift + (total if total is not None else at))
+        self._lay_out(run, step, run.end_us, phases, exact)
+        run.end_us += span * 1000
 
     # -- writing ----------------------------------------------------------------------
 
@@ -189,9 +212,8 @@ class TraceWriter:
             self._run = _Run(self.runs, f"run {self.runs}")
         return self._run
 
-    def _lay_out(self, run: _Run, step: Any, start_us: float, phases, exact: bool, instant: bool = True,
-                 count: bool = True) -> None:
-        """Write one step's phases (`count`: as a step of its own; a DDP step counts once, not per rank)."""
+    def _lay_out(self, run: _Run, step: Any, start_us: float, phases, exact: bool) -> None:
+        """Write one step's phases, and an instant at its start."""
         if not run.named:
             run.named = True
             name = run.name if exact else f"{run.name} ({APPROXIMATE})"
@@ -199,11 +221,9 @@ class TraceWriter:
             self._emit({"name": "process_labels", "ph": "M", "pid": run.pid,
                         "args": {"labels": "exact phase start times" if exact else APPROXIMATE}})
         self.approximate = self.approximate or not exact
-        if count:
-            run.steps += 1
-            self.steps += 1
-        if instant:
-            self._instant(run, step, start_us)
+        run.steps += 1
+        self.steps += 1
+        self._instant(run, step, start_us)
         # The bulk of a trace: formatted directly (json.dumps per event costs more than the rest).
         step_json = _value(step)
         lines = []
@@ -245,6 +265,7 @@ class TraceWriter:
     def close(self) -> None:
         """End the JSON array and flush (the stream stays open: its owner closes it)."""
         with self._lock:
+            self._write_rank_steps()
             self._write("\n]\n")
             if self.error is None:
                 try:

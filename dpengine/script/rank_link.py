@@ -3,8 +3,10 @@
 It sends on a daemon thread (sender.QueuedSender): the script never waits for dptui; every step is
 sent, and steps past MAX_QUEUED_STEPS queued (dptui that far behind) are counted in a `dropped`
 message. A second thread reads dptui's control lines: `pause` at step N makes the rank block
-before step N begins until `resume`; each is answered with a `state` message. At EOF (dptui is
-gone) the rank trains on, unrecorded: the parent-death signal ends it with torchrun.
+before step N begins until `resume`; each is answered with a `state` message. A pause that comes
+after the rank began step N is answered `late` with the step it is in, and dptui asks again further
+ahead: a rank that blocked before N goes on to the new N. At EOF (dptui is gone) the rank trains
+on, unrecorded: the parent-death signal ends it with torchrun.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ class RankLink(QueuedSender):
         self.rank = rank
         self._sock = sock
         self._pause_at: int | None = None  # pause before this step begins
-        self._resumed = threading.Event()
-        self._resumed.set()
+        self._began = -1  # the step this rank is in
+        self._pausing = threading.Condition()  # over _pause_at and _began: late or not is one decision
         self._start_sending()
         threading.Thread(target=self._control_loop, name="dptui-rank-control", daemon=True).start()
 
@@ -54,13 +56,17 @@ class RankLink(QueuedSender):
 
     def before_step(self, step: int) -> bool:
         """Block while a pause asks to stop before `step`; True if it blocked."""
-        pause_at = self._pause_at
-        if pause_at is None or step < pause_at:
-            return False
-        self.post({"type": "state", "rank": self.rank, "state": "paused", "step": step})
-        self._resumed.wait()
+        with self._pausing:
+            self._began = step
+            if not self._holds(step):
+                return False
+            self.post({"type": "state", "rank": self.rank, "state": "paused", "step": step})
+            self._pausing.wait_for(lambda: not self._holds(step))
         self.post({"type": "state", "rank": self.rank, "state": "running", "step": step})
         return True
+
+    def _holds(self, step: int) -> bool:
+        return self._pause_at is not None and step >= self._pause_at
 
     def script_finished(self, exit_code: int) -> None:
         self.post({"type": "script_finished", "rank": self.rank, "exit_code": exit_code})
@@ -96,14 +102,21 @@ class RankLink(QueuedSender):
             self._broken = True
             self._queue.clear()
             self._cond.notify_all()
-        self._pause_at = None
-        self._resumed.set()
+        self._set_pause(None)
 
     def _apply(self, message: dict[str, Any]) -> None:
         op = message.get("op")
         if op == "pause":
-            self._resumed.clear()
-            self._pause_at = int(message.get("step", 0))
+            self._set_pause(int(message.get("step", 0)))
         elif op == "resume":
-            self._pause_at = None
-            self._resumed.set()
+            self._set_pause(None)
+
+    def _set_pause(self, step: int | None) -> None:
+        with self._pausing:
+            if step is not None and self._began >= step and not self._holds(self._began):
+                # Step N began already: pausing before the next would leave the ranks a step apart,
+                # each waiting for the other. dptui asks again, further ahead.
+                self.post({"type": "state", "rank": self.rank, "state": "late", "step": self._began, "asked": step})
+                return
+            self._pause_at = step
+            self._pausing.notify_all()

@@ -14,11 +14,14 @@ Rank -> dptui:
   {"type": "dropped", "rank", "steps": N}   N steps not sent (dptui that far behind); never stalls
   {"type": "notice", "rank", "text"}   something left unrecorded, said once
   {"type": "state", "rank", "state": "paused" | "running", "step": N}   answers pause / resume
+  {"type": "state", "rank", "state": "late", "step": N, "asked": M}   the pause before step M came
+      once step N >= M had begun: dptui asks every rank again, further ahead
   {"type": "script_finished", "rank", "exit_code"}   the script's last line ran (or SystemExit)
   {"type": "rank_failed", "rank", "host", "error": ONE_LINE, "traceback": TEXT}   the script raised
 dptui -> rank:
   {"op": "pause", "step": N}   block before step N begins (at its first forward) until resume;
-      dptui picks one N for every rank, so the ranks stay in lockstep
+      dptui picks one N for every rank, so the ranks stay in lockstep; a later pause moves N on
+      (a rank blocked before the old N goes on)
   {"op": "resume"}
   EOF: dptui is gone; the rank trains on unrecorded (the parent-death signal ends it with torchrun)
 

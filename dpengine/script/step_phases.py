@@ -100,7 +100,6 @@ class _Step:
     optimizers: list[tuple[Any, Any]] = field(default_factory=list)
     losses: list[LossReading | None] = field(default_factory=list)  # per micro-batch
     samples: int = 0
-    first_collective: Any = None
     synced: bool = True  # the last forward's backward all-reduces (not under no_sync())
     end: Any = None
     memory: tuple[int | None, int | None] = (None, None)
@@ -173,14 +172,8 @@ class RankSteps:
     # -- the comm hook: each gradient bucket's all-reduce --------------------------------
 
     def bucket_ready(self, last: bool) -> None:
-        step = self._step
-        if step is None:
-            return
-        mark = self.clock.mark()
-        if step.first_collective is None:
-            step.first_collective = mark
-        if last and self._backward is not None:
-            self._backward.last_ready = mark
+        if last and self._step is not None and self._backward is not None:
+            self._backward.last_ready = self.clock.mark()
 
     def bucket_done(self, last: bool) -> None:
         # On gloo, from a gloo thread: DDP waits for it before backward() returns.
@@ -264,6 +257,7 @@ class RankSteps:
             return None if mark is None else ms(start, mark)
 
         waits = [b.last_ready for b in step.backwards if b.last_ready is not None and b.last_done is not None]
+        dones = [b.last_done for b in step.backwards if b.last_done is not None]
         memory, peak = step.memory
         return RankStepFinished(
             rank=self.rank, step=step.number,
@@ -276,7 +270,7 @@ class RankSteps:
             backward_start_ms=offset(step.backwards[0].start if step.backwards else None),
             comm_wait_start_ms=offset(waits[0] if waits else None),
             optimizer_start_ms=offset(step.optimizers[0][0] if step.optimizers else None),
-            first_collective_ms=offset(step.first_collective),
+            allreduce_end_ms=offset(dones[-1] if dones else None),
         )
 
 

@@ -229,7 +229,7 @@ def _run_headless(run: ScriptRun, json_out: bool) -> int:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-    if summary is not None and summary.steps:  # no step: the notice said why
+    if summary is not None and (summary.steps or summary.ranks()):  # none: the notice said why
         from ..view.cli import summary_lines
 
         print("\n".join(summary_lines(summary)), file=sys.stderr, flush=True)

@@ -52,6 +52,7 @@ from .rank_outcome import ExitStatus, Generation, exit_status, rank_end
 from .rank_server import Connection, RankServer
 
 PAUSE_AHEAD = 2  # steps past the newest any rank reported: every rank can still stop before it
+MAX_PAUSE_AHEAD = 4096  # a rank answered late: ask again this many steps ahead at most (doubling from PAUSE_AHEAD)
 NODES_WAIT_S = 30.0  # node 0, its own ranks ended: how long the other nodes have to send their ranks' ends
 
 
@@ -82,6 +83,8 @@ class RankHub:
         self._processes: dict[tuple[int, int], psutil.Process] = {}  # (generation, rank) -> this node's rank
         self.telemetry = RankProcessesSource()  # this node's ranks, sampled from here
         self._requests = 0
+        self._pause_step: int | None = None  # the step the ranks were last asked to pause before
+        self._pause_ahead = PAUSE_AHEAD
         self._paused_at: float | None = None
         self._notices_said: set[str] = set()
         self.steps = self.samples = 0
@@ -138,12 +141,24 @@ class RankHub:
     def pause(self) -> int:
         """Every rank pauses before the same step: the newest any reported, plus PAUSE_AHEAD."""
         with self.lock:
-            step = max(self.gen.last_step.values(), default=-1) + PAUSE_AHEAD
-            return self._send({"op": "pause", "step": step})
+            self._pause_ahead = PAUSE_AHEAD
+            self._pause_step = max(self.gen.last_step.values(), default=-1) + PAUSE_AHEAD
+            return self._send({"op": "pause", "step": self._pause_step})
 
     def resume(self) -> int:
         with self.lock:
+            self._pause_step = None
             return self._send({"op": "resume"})
+
+    def _ask_again(self, body: dict[str, Any]) -> None:
+        """A rank had begun the step asked for (the hub sees steps some ms late): every rank is asked
+        to pause further ahead, and one that blocked already goes on to it."""
+        began = body.get("step")
+        if self._pause_step is None or body.get("asked") != self._pause_step or not isinstance(began, int):
+            return  # resumed since, or asked again already
+        self._pause_ahead = min(2 * self._pause_ahead, MAX_PAUSE_AHEAD)
+        self._pause_step = max(began, *self.gen.last_step.values()) + self._pause_ahead
+        self._server.send_all({"op": "pause", "step": self._pause_step})
 
     def pause_deadline(self) -> float | None:
         """While paused: when (time.monotonic()) the ranks' collectives would time out and fail the run."""
@@ -293,6 +308,9 @@ class RankHub:
 
     def _on_state(self, gen: Generation, rank: int, body: dict[str, Any]) -> None:
         state = body.get("state")
+        if state == "late":
+            self._ask_again(body)
+            return
         if state not in ("paused", "running"):
             return
         before = self._all_in(gen, "paused")

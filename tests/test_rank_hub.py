@@ -1,0 +1,64 @@
+"""dptui's end of the ranks' side channel (tui.script.rank_hub), in process with real RankLinks over TCP:
+a pause holds every rank before one step, even when the hub's view of the steps lags the ranks."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from waiting import wait_for
+
+from dpengine.eventlog.events import RankStepFinished, StateChanged
+from dpengine.script import rank_wire
+from dpengine.script.rank_link import RankLink
+from tui.script.rank_hub import RankHub
+
+
+def a_step(rank: int, number: int) -> RankStepFinished:
+    return RankStepFinished(rank=rank, step=number, data_ms=1.0, forward_ms=2.0, backward_ms=3.0, comm_wait_ms=0.5,
+                            optimizer_ms=0.25, other_ms=0.25, total_ms=7.0, loss=0.5, samples=8, micro_batches=1,
+                            memory_bytes=100, peak_memory_bytes=200)
+
+
+def join(hub: RankHub, rank: int) -> RankLink:
+    hello = {"token": hub.token, "rank": rank, "local_rank": rank, "world_size": 2, "node_rank": 0,
+             "host": "here", "pid": os.getpid(), "device": "cpu", "restart": 0}
+    return RankLink.connect(hub.env()[rank_wire.CHANNEL], hello)
+
+
+def test_a_rank_past_the_asked_step_moves_every_rank_to_a_later_one_so_they_pause_together():
+    events: list = []
+    hub = RankHub("ranks", events.append).listen()
+    try:
+        ranks = [join(hub, 0), join(hub, 1)]
+        for link in ranks:
+            for number in range(3):
+                link.post_step(a_step(link.rank, number))
+            link.flush()
+        wait_for(lambda: hub.gen.last_step == {0: 2, 1: 2}, "steps 0-2 of both ranks at the hub")
+        # The hub lags: rank 0 has begun step 5 (waiting for rank 1 in the all-reduce), rank 1 step 3.
+        for number in range(6):
+            ranks[0].before_step(number)
+        for number in range(4):
+            ranks[1].before_step(number)
+        hub.pause()  # before step 2 + PAUSE_AHEAD = 4: rank 0 began it already and answers late
+        wait_for(lambda: hub._pause_step > 5, "the hub to ask again, past rank 0's step")
+        asked = hub._pause_step
+        wait_for(lambda: all(link._pause_at == asked for link in ranks), "both ranks to take the new step")
+        for link in ranks:  # rank 1 too goes through step 4, where it was first asked to pause
+            for number in range(link._began + 1, asked):
+                assert link.before_step(number) is False
+        held = [threading.Thread(target=link.before_step, args=(asked,), daemon=True) for link in ranks]
+        for thread in held:
+            thread.start()
+        wait_for(lambda: any(isinstance(e, StateChanged) and e.state == "paused" for e in events),
+                 "every rank paused")
+        assert all(thread.is_alive() for thread in held)
+        hub.resume()
+        for thread in held:
+            thread.join(10)
+        assert not any(thread.is_alive() for thread in held)
+        wait_for(lambda: [e.state for e in events if isinstance(e, StateChanged)] == ["paused", "running"],
+                 "running again, once")
+    finally:
+        hub.close()
