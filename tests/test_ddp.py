@@ -372,7 +372,9 @@ def test_the_readmes_torchrun_command_runs_dptui_on_rank_0():
     assert done.returncode == 0, done.stderr[-3000:]
     expected = Trainer(load_workload("seed", seed=5), ["cpu:0", "cpu:1"],
                        RunOptions(seed=5, epochs=1, telemetry_interval=None)).run()
-    assert f"final loss {expected.final_loss:.6f}" in done.stdout.splitlines()[-1]
+    lines = done.stdout.splitlines()
+    assert f"final loss {expected.final_loss:.6f}" in lines
+    assert lines[-1] == "straggler verdicts: none"  # the end: a row per rank, then the verdicts
 
 
 def _pretend_gpus(monkeypatch, count: int, local_world: int = 2) -> None:
