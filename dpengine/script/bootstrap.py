@@ -85,8 +85,8 @@ def run_file(path: str) -> None:
     Python makes them since 3.9, so a script that changes directory still finds what is beside it),
     sys.argv[0] stays as given. runpy.run_path keeps a relative path relative, and sets argv[0]."""
     absolute = os.path.abspath(path)
-    if pkgutil.get_importer(absolute) is not None:  # a directory or zip file with a __main__.py
-        runpy.run_path(path, run_name="__main__")
+    if pkgutil.get_importer(absolute) is not None or absolute.endswith(".pyc"):  # a directory or zip
+        runpy.run_path(path, run_name="__main__")  # file with a __main__.py, or compiled code
         return
     with io.open_code(absolute) as file:
         code = compile(file.read(), absolute, "exec")
