@@ -173,6 +173,16 @@ def test_a_script_named_by_a_relative_path_has_an_absolute_file_as_under_python(
                                             (SCRIPTS / "README.md").read_text().splitlines()[0]]
 
 
+def test_a_compiled_script_runs_as_under_python(tmp_path):
+    import py_compile
+
+    source = tmp_path / "compiled.py"
+    source.write_text("import sys\nprint('compiled ran', sys.argv[1:])\n")
+    py_compile.compile(str(source), cfile=str(tmp_path / "compiled.pyc"))
+    done = dptui("--headless", "--no-telemetry", "compiled.pyc", "a", cwd=tmp_path)
+    assert (done.returncode, done.stdout) == (0, "compiled ran ['a']\n"), done.stderr
+
+
 def test_explicit_device_ids_in_the_script_are_kept():
     done = dptui("--headless", "--json", "--devices", "cpu:0,cpu:1", "--no-telemetry", script("explicit_devices.py"))
     assert done.returncode == 0, done.stderr
