@@ -4,6 +4,7 @@ a plain DDP script (tests/fixtures/ranks/slow_rank_ddp.py) with one rank slowed 
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -122,9 +123,15 @@ FSDP_SCRIPT = str(Path(__file__).parent / "fixtures" / "ranks" / "fsdp_no_ddp.py
     ((), "the script built no torch.nn.parallel.DistributedDataParallel, so dptui recorded no step"),
     (("--ddp-eval-only",), "the script built a DistributedDataParallel but trained no step through it")])
 def test_a_script_that_trains_no_ddp_step_runs_as_under_torchrun_and_dptui_says_why_it_recorded_none(flag, said):
-    done = dptui("--nproc-per-node", "2", "--headless", "--json", "--no-telemetry", FSDP_SCRIPT, *flag)
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # so that torchrun warns
+    done = subprocess.run([*DPTUI, "--nproc-per-node", "2", "--headless", "--json", "--no-telemetry", FSDP_SCRIPT,
+                           *flag], capture_output=True, text=True, timeout=TIMEOUT, env=env)
     assert done.returncode == 0, done.stderr
     events = json_events(done.stdout)
+    # torchrun's own lines as the torchrun command prints them (they were bare under python -m).
+    torchrun_says = [o["line"] for o in of_type(events, "output") if o.get("rank") is None]
+    assert any(re.match(r"W\d{4} [\d:.]+ \d+ \S*torch/distributed/run\.py:\d+\] Setting OMP_NUM_THREADS", line)
+               for line in torchrun_says), torchrun_says
     printed = {(o["rank"], o["line"]) for o in of_type(events, "output") if o.get("rank") is not None}
     assert printed >= {(r, f"rank {r} step {s} done") for r in range(2) for s in range(3)}
     assert not of_type(events, "rank_step")
