@@ -4,6 +4,7 @@ a plain DDP script (tests/fixtures/ranks/slow_rank_ddp.py) with one rank slowed 
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -113,3 +114,44 @@ def test_two_nodes_on_loopback_node_0_shows_both_ranks():
     assert sorted((s["rank"], s["step"]) for s in of_type(events, "rank_step")) == [
         (r, s) for r in range(2) for s in range(22)]
     assert verdicts(events)[:1] == [(1, "forward")]
+
+
+FSDP_SCRIPT = str(Path(__file__).parent / "fixtures" / "ranks" / "fsdp_no_ddp.py")
+
+
+@pytest.mark.parametrize("flag, said", [
+    ((), "the script built no torch.nn.parallel.DistributedDataParallel, so dptui recorded no step"),
+    (("--ddp-eval-only",), "the script built a DistributedDataParallel but trained no step through it")])
+def test_a_script_that_trains_no_ddp_step_runs_as_under_torchrun_and_dptui_says_why_it_recorded_none(flag, said):
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # so that torchrun warns
+    done = subprocess.run([*DPTUI, "--nproc-per-node", "2", "--headless", "--json", "--no-telemetry", FSDP_SCRIPT,
+                           *flag], capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    assert done.returncode == 0, done.stderr
+    events = json_events(done.stdout)
+    # torchrun's own lines as the torchrun command prints them (they were bare under python -m).
+    torchrun_says = [o["line"] for o in of_type(events, "output") if o.get("rank") is None]
+    assert any(re.match(r"W\d{4} [\d:.]+ \d+ \S*torch/distributed/run\.py:\d+\] Setting OMP_NUM_THREADS", line)
+               for line in torchrun_says), torchrun_says
+    printed = {(o["rank"], o["line"]) for o in of_type(events, "output") if o.get("rank") is not None}
+    assert printed >= {(r, f"rank {r} step {s} done") for r in range(2) for s in range(3)}
+    assert not of_type(events, "rank_step")
+    notices = [n["text"] for n in of_type(events, "notice")]
+    assert [n for n in notices if said in n] and len([n for n in notices if "recorded no step" in n]) == 1, notices
+
+
+def test_a_rank_killed_before_a_restart_is_named_as_killed_and_the_next_generation_starts(tmp_path):
+    snapshot = str(tmp_path / "snapshot.pt")
+    script = str(Path(__file__).parent / "fixtures" / "ranks" / "snapshot_restart.py")
+    done = dptui("--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--headless", "--json",
+                 "--no-telemetry", script, snapshot, "3", "--stop-at-restart")
+    assert done.returncode == 0, done.stderr
+    events = json_events(done.stdout)
+    starts = [i for i, e in enumerate(events) if e["type"] == "run_started"]
+    assert len(starts) == 2
+    first, second = events[starts[0]:starts[1]], events[starts[1]:]
+    ended = {e["rank"]: e for e in of_type(first, "rank_ended")}
+    # torchrun logged rank 1 as killed (exitcode -9); it was said to be ended by torchrun's SIGTERM.
+    assert (ended[1]["exit_code"], ended[1]["error"]) == (-9, "killed by SIGKILL before its script finished")
+    printed = {(o["rank"], o["line"]) for o in of_type(second, "output") if o.get("rank") is not None}
+    assert {(r, f"[rank {r}] would resume from snapshot at epoch 1") for r in range(2)} <= printed
+    assert sorted((e["rank"], e["exit_code"]) for e in of_type(second, "rank_ended")) == [(0, 0), (1, 0)]

@@ -231,6 +231,10 @@ def test_a_rank_that_raises_says_so_with_its_traceback(tmp_path: Path) -> None:
     assert code != 0
     assert failed["error"] == "ValueError: the batch file is corrupt" and failed["host"]
     assert "load_batch" in failed["traceback"] and "train.py" in failed["traceback"]
+    # Only the script's frames, as python prints them (a Ctrl-C'd pytorch/examples minGPT-ddp rank's
+    # traceback began in dptui's bootstrap.py and runpy).
+    assert failed["traceback"].splitlines()[1].startswith(f'  File "{tmp_path / "train.py"}", line ')
+    assert "bootstrap" not in failed["traceback"] and "runpy" not in failed["traceback"]
     assert "ValueError: the batch file is corrupt" in err  # and on stderr, as python shows it
     assert "rank_bootstrap" not in err.split("ValueError")[0].split("Traceback")[-1]  # no frame of ours
 

@@ -118,3 +118,20 @@ def test_a_finished_rank_that_torchrun_ended_in_its_teardown_gets_no_note():
     gen.finished.update({0: 0, 1: 0})
     status = exit_status(gen, record((1, -signal.SIGABRT), (0, -signal.SIGTERM)), None, 1)
     assert status.code == 0 and len(status.notes) == 1 and status.notes[0].startswith("rank 1 ended with SIGABRT")
+
+
+def test_a_rank_interrupted_by_ctrl_c_ended_by_sigint_as_python_does():
+    # Ctrl-C under dptui on pytorch/examples minGPT-ddp: each rank said KeyboardInterrupt, then died of
+    # SIGINT; torchrun, interrupted too, kept no record of them. It was said to have exited 1.
+    gen = generation()
+    gen.failed[0] = {"error": "KeyboardInterrupt", "traceback": ""}
+    gen.failed[1] = {"error": "RuntimeError: bad batch", "traceback": ""}
+    assert rank_end(gen, 0, None).exit_code == -signal.SIGINT
+    assert rank_end(gen, 1, None).exit_code == 1
+
+
+def test_the_agents_log_line_gives_a_workers_status_by_pid():
+    parsed = FailureRecord()
+    parsed.feed("E1204 22:53:38.010000 4689 torch/distributed/elastic/multiprocessing/api.py:1002] failed "
+                "(exitcode: -9) local_rank: 1 (pid: 4803) of binary: /usr/bin/python3")
+    assert (parsed.exit_code_of_pid(4803), parsed.exit_code_of_pid(4802), parsed.failures) == (-9, None, [])

@@ -167,6 +167,24 @@ def test_an_uncaught_exception_exits_1_with_the_scripts_traceback():
     assert "bootstrap" not in done.stderr and "runpy" not in done.stderr  # only the user's frames
 
 
+def test_a_script_named_by_a_relative_path_has_an_absolute_file_as_under_python():
+    # __file__ absolute (Python 3.9+), sys.argv[0] as given: the script finds its sibling after a chdir.
+    done = dptui("--headless", "--no-telemetry", "file_after_chdir.py", cwd=SCRIPTS)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[:2] == [f"{SCRIPTS / 'file_after_chdir.py'} file_after_chdir.py",
+                                            (SCRIPTS / "README.md").read_text().splitlines()[0]]
+
+
+def test_a_compiled_script_runs_as_under_python(tmp_path):
+    import py_compile
+
+    source = tmp_path / "compiled.py"
+    source.write_text("import sys\nprint('compiled ran', sys.argv[1:])\n")
+    py_compile.compile(str(source), cfile=str(tmp_path / "compiled.pyc"))
+    done = dptui("--headless", "--no-telemetry", "compiled.pyc", "a", cwd=tmp_path)
+    assert (done.returncode, done.stdout) == (0, "compiled ran ['a']\n"), done.stderr
+
+
 def test_explicit_device_ids_in_the_script_are_kept():
     done = dptui("--headless", "--json", "--devices", "cpu:0,cpu:1", "--no-telemetry", script("explicit_devices.py"))
     assert done.returncode == 0, done.stderr

@@ -61,6 +61,10 @@ def test_dptui_run_shows_the_ranks_a_script_spawns() -> None:
     ends = sorted((e["rank"], e["exit_code"], e["script_finished"]) for e in events if e["type"] == "rank_ended")
     assert ends == [(0, 0, True), (1, 0, True)]
     assert not any("built no torch.nn.DataParallel" in e.get("text", "") for e in events)  # it saw the ranks
+    # The run's end counts the ranks' steps and has rank 0's last loss, as under torchrun (it said 0 steps, no loss).
+    (finished,) = [e for e in events if e["type"] == "run_finished"]
+    assert (finished["steps"], finished["samples"]) == (8, 8 * 8)
+    assert finished["final_loss"] == pytest.approx(losses[0, 3])
 
 
 def test_headless_ends_with_a_row_per_spawned_rank_and_the_verdicts() -> None:

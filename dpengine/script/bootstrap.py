@@ -8,11 +8,14 @@ DataParallel swapped for the recording one before the program's first line.
 from __future__ import annotations
 
 import atexit
+import io
 import os
+import pkgutil
 import runpy
 import signal
 import sys
 import traceback
+import types
 from collections.abc import Callable
 
 
@@ -74,7 +77,27 @@ def run_program(argv: list[str]) -> None:
         path, args = argv[0], argv[1:]
         sys.argv = [path, *args]
         sys.path[0] = os.path.dirname(os.path.abspath(path))  # as `python PATH` does, not ours
-        runpy.run_path(path, run_name="__main__")
+        run_file(path)
+
+
+def run_file(path: str) -> None:
+    """Run a script file as `python PATH` does: `__file__` and its code's file name are absolute (as
+    Python makes them since 3.9, so a script that changes directory still finds what is beside it),
+    sys.argv[0] stays as given. runpy.run_path keeps a relative path relative, and sets argv[0]."""
+    absolute = os.path.abspath(path)
+    if pkgutil.get_importer(absolute) is not None or absolute.endswith(".pyc"):  # a directory or zip
+        runpy.run_path(path, run_name="__main__")  # file with a __main__.py, or compiled code
+        return
+    with io.open_code(absolute) as file:
+        code = compile(file.read(), absolute, "exec")
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__file__=absolute, __cached__=None, __loader__=None, __package__=None, __spec__=None)
+    saved = sys.modules.get("__main__")
+    sys.modules["__main__"] = main  # as runpy does while the script runs: pickle and spawn find it
+    try:
+        exec(code, main.__dict__)
+    finally:
+        sys.modules["__main__"] = saved
 
 
 def main() -> None:

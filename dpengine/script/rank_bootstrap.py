@@ -24,6 +24,12 @@ from . import rank_wire
 USAGE = ("dpengine.script.rank_bootstrap runs on the ranks that `dptui run --nproc-per-node N SCRIPT.py` "
          "starts through torchrun; run that instead")
 
+# What an empty run means, said when a rank's script ended well without a step recorded.
+NO_DDP = ("the script built no torch.nn.parallel.DistributedDataParallel, so dptui recorded no step: it records "
+          "DDP's optimizer steps, not FSDP's (fully_shard) nor gradients the script all-reduces itself")
+NO_STEP = ("the script built a DistributedDataParallel but trained no step through it (a forward with gradients "
+           "enabled, then backward or optimizer.step), so dptui recorded no step")
+
 
 def main() -> None:
     argv = sys.argv[1:]
@@ -110,10 +116,17 @@ def script_ended(link, exit_code: int, error: BaseException | None) -> None:
     steps = ddp_swap.current_steps()
     if steps is not None:
         steps.finish()
+    if error is None and exit_code == 0:
+        unseen = NO_DDP if steps is None else NO_STEP if not steps.started else None
+        if unseen is not None:
+            link.notice(unseen)  # the hub says it once for every rank
     if error is None:
         link.script_finished(exit_code)
     else:
-        text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        from .bootstrap import user_frames
+
+        # The script's frames only, as on its stderr: none of the bootstrap's or runpy's.
+        text = "".join(traceback.format_exception(type(error), error, user_frames(error.__traceback__)))
         line = f"{type(error).__name__}: {error}".splitlines()[0] if str(error) else type(error).__name__
         link.rank_failed(socket.gethostname(), line, text)
     link.flush()

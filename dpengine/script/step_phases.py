@@ -135,6 +135,11 @@ class RankSteps:
         self._unsent: list[_Step] = []  # finished, waiting for their CUDA events
         self._lock = threading.Lock()
 
+    @property
+    def started(self) -> int:
+        """How many steps have begun (at their first forward)."""
+        return self._next
+
     def step_starts(self) -> None:
         """The next step starts now, not at the previous one's end: what came between (dptui's own
         step boundary, waiting for its host) is no phase of either step."""

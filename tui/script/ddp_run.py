@@ -61,6 +61,7 @@ class DdpRun(Publisher):
         self._hurry = threading.Event()
         self._done = threading.Event()
         self._record = FailureRecord()
+        self._hub.worker_exits = self._record  # a rank killed before a restart is named as killed
         self._started_at = 0.0
         self.exit_code: int | None = None
 

@@ -28,6 +28,9 @@ _RANK = re.compile(r"^\s*rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)")
 _EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)\s*\(pid:\s*(\d+)\)")
 _HOST = re.compile(r"^\s*host\s*:\s*(\S+)")
 _ROOT = re.compile(r"^Root Cause \(first observed failure\)")
+# torchrun's agent logs each worker that failed as it sees it, before a restart too:
+# "... api.py:1002] failed (exitcode: -9) local_rank: 1 (pid: 4803) of binary: ..."
+_WORKER = re.compile(r"\bfailed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,9 +50,12 @@ class FailureRecord:
         self._in_root = False
         self._host = ""
         self._rank: int | None = None
+        self._worker_exits: dict[int, int] = {}  # pid -> exit status, from the agent's log lines
 
     def feed(self, line: str) -> None:
-        if _ROOT.match(line):
+        if worker := _WORKER.search(line):
+            self._worker_exits[int(worker.group(3))] = int(worker.group(1))
+        elif _ROOT.match(line):
             self._in_root = True
         elif match := _HOST.match(line):
             self._host = match.group(1)
@@ -63,6 +69,10 @@ class FailureRecord:
     @property
     def failures(self) -> list[Failure]:
         return sorted(self._entries, key=lambda f: not f.root_cause)
+
+    def exit_code_of_pid(self, pid: int) -> int | None:
+        """The exit status torchrun's agent logged for the worker process `pid` (-N: signal N), if it did."""
+        return self._worker_exits.get(pid)
 
     def exit_code_of(self, rank: int) -> int | None:
         for failure in self._entries:

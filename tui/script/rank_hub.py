@@ -90,6 +90,7 @@ class RankHub:
         self.steps = self.samples = 0
         self.last_loss: float | None = None
         self.config: RunConfig | None = None
+        self.worker_exits: FailureRecord | None = None  # torchrun's log: how this node's ranks ended
 
     # -- listening ------------------------------------------------------------------------
 
@@ -268,8 +269,19 @@ class RankHub:
                 self._rank_ended(old, rank, None)
             else:
                 old.ended.add(rank)
-                self._rank_event(old, RankEnded(rank=rank, exit_code=-signal.SIGTERM, script_finished=False,
-                                                host=old.joined[rank].host, error="ended by torchrun for a restart"))
+                code, error = self._restarted_rank_end(old, rank)
+                self._rank_event(old, RankEnded(rank=rank, exit_code=code, script_finished=False,
+                                                host=old.joined[rank].host, error=error))
+
+    def _restarted_rank_end(self, old: Generation, rank: int) -> tuple[int, str]:
+        """How a rank that said nothing ended before a restart: as torchrun's agent logged it when it
+        failed (killed by SIGKILL: the OOM killer, say), else ended by torchrun's SIGTERM."""
+        local = (old.number, rank) in self._processes
+        code = self.worker_exits.exit_code_of_pid(old.joined[rank].pid) if local and self.worker_exits else None
+        if code is None or code == -signal.SIGTERM:
+            return -signal.SIGTERM, "ended by torchrun for a restart"
+        how = f"killed by {signal.Signals(-code).name}" if -code in signal.valid_signals() else f"exited {code}"
+        return code, f"{how} before its script finished"
 
     def _start_generation(self, gen: Generation) -> None:
         """RunStarted for this generation's ranks, then their joins and what they said meanwhile."""

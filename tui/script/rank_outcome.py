@@ -55,7 +55,10 @@ def rank_end(gen: Generation, rank: int, recorded: int | None) -> RankEnded | No
     if rank in gen.finished:
         code = gen.finished[rank]
     elif rank in gen.failed:
-        code = recorded if recorded not in (None, 0) else 1
+        # Python dies of SIGINT after an uncaught KeyboardInterrupt (as the bootstrap does after
+        # saying it failed); anything else uncaught exits 1.
+        interrupted = failed.get("error") == "KeyboardInterrupt"
+        code = recorded if recorded not in (None, 0) else -signal.SIGINT if interrupted else 1
     else:
         code = recorded if recorded is not None else 0
     error = str(failed.get("error") or "")

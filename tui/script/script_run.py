@@ -374,9 +374,12 @@ class ScriptRun(Publisher):
                 self._publish(ScriptNotice(text))
         self._publish(ScriptExited(code, signame))
         if code == 0:
+            steps, samples, loss = self._steps, self._samples, self._last_loss
+            if self._ranks.joined:  # the ranks it spawned stepped too: count theirs, as under torchrun
+                steps, samples = steps + self._ranks.steps, samples + self._ranks.samples
+                loss = loss if self._steps else self._ranks.last_loss
             final: RunFinished | RunFailed = RunFinished(
-                final_loss=self._last_loss, epochs=0, steps=self._steps, samples=self._samples,
-                seconds=seconds, stopped=self._stopping)
+                final_loss=loss, epochs=0, steps=steps, samples=samples, seconds=seconds, stopped=self._stopping)
         else:
             how = f" ({signame})" if signame else ""
             final = RunFailed(error=f"script exited {code}{how}", error_type="ScriptExit")
