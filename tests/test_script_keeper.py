@@ -42,3 +42,26 @@ def test_a_child_started_through_the_spawner_outlives_the_thread_that_asked_for_
     finally:
         child.kill()
         child.wait(30)
+
+
+def test_a_child_starts_with_no_signal_blocked_whichever_thread_made_the_spawner(monkeypatch):
+    # A child inherits the forking thread's signal mask: one made by a thread that blocks SIGINT
+    # would give every script a Ctrl-C that never arrives (dptui's stop then ends it by SIGTERM).
+    import queue
+    import signal
+
+    monkeypatch.setattr(spawner, "_thread", None)  # this test's thread makes a new spawner
+    monkeypatch.setattr(spawner, "_requests", queue.SimpleQueue())
+    blocked: list[str] = []
+
+    def ask() -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        child = spawner.popen([sys.executable, "-c", "print(open('/proc/self/status').read())"],
+                              stdout=subprocess.PIPE, text=True)
+        out, _ = child.communicate(timeout=60)
+        blocked.append(next(line.split()[1] for line in out.splitlines() if line.startswith("SigBlk:")))
+
+    asker = threading.Thread(target=ask)
+    asker.start()
+    asker.join(60)
+    assert blocked == ["0" * 16]

@@ -4,11 +4,16 @@ Linux's parent-death signal (which `dptui run`'s child sets, dpengine/script/kee
 when the *thread* that forked the child ends, not the process: a child started from a worker
 thread that returns would be killed with it. So every child is started here, from a daemon
 thread made once, which ends only with dptui.
+
+A child inherits the signal mask of the thread that forks it, and exec keeps it. This thread
+unblocks every signal first, whichever thread made it: a child with SIGINT blocked would sleep
+through dptui's stop (and a user's Ctrl-C) until SIGTERM.
 """
 
 from __future__ import annotations
 
 import queue
+import signal
 import subprocess
 import threading
 from collections.abc import Callable
@@ -35,6 +40,7 @@ def popen(*args: Any, **kwargs: Any) -> subprocess.Popen:
 
 
 def _serve() -> None:
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())  # children start as from a shell: nothing blocked
     while True:
         start, answer = _requests.get()
         try:
