@@ -1,7 +1,7 @@
 """10. A DDP script's own step time under the rank bootstrap (what `dptui run --nproc-per-node 2` runs on
 each rank: the recording DDP, its comm hook, the phase clock, the sender) against plain torchrun.
 
-The same script, 2 gloo ranks, a step of at least 50 ms on a 2-core host (two 1024-wide linear layers, batch 256), its
+The same script, 2 gloo ranks, a step of at least 50 ms on a 2-core host (two 1024-wide linear layers, batch 384), its
 own step time measured by itself (median over its steps after warm-up, rank 0). The recorded runs
 send to a sink that reads and discards, as dptui's server would read. Runs alternate, plain and
 recorded, round by round; the figure is the median over rounds, the ratio a ratio of medians.
@@ -39,7 +39,7 @@ dist.init_process_group("gloo")
 torch.manual_seed(0)
 model = DistributedDataParallel(nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024)))
 optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
-x = torch.randn(256, 1024)
+x = torch.randn(384, 1024)
 times = []
 for step in range({STEPS}):
     started = time.perf_counter()
