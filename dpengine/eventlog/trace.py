@@ -165,21 +165,21 @@ class TraceWriter:
         records = run.rank_steps.setdefault(step, [])
         records.append(data)
         if run.world and len(records) >= run.world:  # every rank's: it and the steps before it
-            while run.rank_steps:
-                first = next(iter(run.rank_steps))
-                self._lay_out_ranks(run, first, run.rank_steps.pop(first))
-                if first == step:
-                    break
+            while run.rank_steps and self._write_oldest(run) != step:
+                pass
         while len(run.rank_steps) > RECENT_RANK_STEPS:
-            first = next(iter(run.rank_steps))
-            self._lay_out_ranks(run, first, run.rank_steps.pop(first))
+            self._write_oldest(run)
 
     def _write_rank_steps(self) -> None:
         """The steps still waiting for a rank's record (the run ended, or another began)."""
-        run = self._run
-        while run is not None and run.rank_steps:
-            first = next(iter(run.rank_steps))
-            self._lay_out_ranks(run, first, run.rank_steps.pop(first))
+        while self._run is not None and self._run.rank_steps:
+            self._write_oldest(self._run)
+
+    def _write_oldest(self, run: _Run) -> Any:
+        """Write the oldest step held for its ranks' records; its number."""
+        step = next(iter(run.rank_steps))
+        self._lay_out_ranks(run, step, run.rank_steps.pop(step))
+        return step
 
     def _lay_out_ranks(self, run: _Run, step: Any, records: list[dict[str, Any]]) -> None:
         records = sorted(records, key=lambda r: r.get("rank") if type(r.get("rank")) is int else -1)
