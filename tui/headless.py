@@ -10,6 +10,9 @@ from dpengine.eventlog.events import (
     ConfigChanged,
     EpochFinished,
     Event,
+    RankEnded,
+    RankJoined,
+    RankStepFinished,
     RunFailed,
     RunFinished,
     RunStarted,
@@ -22,6 +25,8 @@ from dpengine.eventlog.events import (
 from dpengine.eventlog.summary import RunSummary, rank_lines, verdict_words
 
 from . import event_text as text
+
+RANK_EVENTS = (RankJoined, RankStepFinished, RankEnded, StragglerFound, StragglerCleared)
 
 
 class TextPrinter:
@@ -42,7 +47,8 @@ class TextPrinter:
         self._summary = RunSummary()
 
     def __call__(self, event: Event) -> None:
-        self._summary.feed(event)
+        if isinstance(event, RANK_EVENTS):  # what the rank table sums; a DataParallel step costs nothing more
+            self._summary.feed(event)
         lines = self._lines(event)
         if not lines:
             return
