@@ -131,3 +131,50 @@ def test_a_pause_before_step_n_is_not_counted_as_input(clock, sent):
     optimizer_step(steps, clock)
     steps.finish()
     assert sent[1].data_ms == pytest.approx(0) and sent[1].total_ms < 100
+
+
+def closure_step(steps: RankSteps, clock: MovedClock, *, before: float = 0.001, calls: int = 1,
+                 between: float = 0.003, after: float = 0.004, wait: float = 0.0) -> None:
+    """optimizer.step(closure), as Lightning's loop and LBFGS run it: forward and backward inside."""
+    steps.optimizer_begins()
+    clock.now += before  # zero_grad in the closure
+    for call in range(calls):
+        if call:
+            clock.now += between  # LBFGS's own work between its closure calls
+        micro_batch(steps, clock, wait=wait)
+    clock.now += after  # the update itself
+    steps.optimizer_ends()
+
+
+def test_forward_and_backward_in_an_optimizer_closure_are_not_optimizer_time(steps, clock, sent):
+    for _ in range(3):
+        clock.now += 0.030  # the next batch loads
+        closure_step(steps, clock, wait=0.015)
+    steps.finish()
+    assert [s.step for s in sent] == [0, 1, 2]
+    for step in sent:
+        assert step.forward_ms == pytest.approx(10) and step.backward_ms == pytest.approx(20)
+        assert step.comm_wait_ms == pytest.approx(15) and step.optimizer_ms == pytest.approx(4)
+        assert step.micro_batches == 1
+        phases = step.data_ms + step.forward_ms + step.backward_ms + step.comm_wait_ms + step.optimizer_ms
+        assert phases + step.other_ms == pytest.approx(step.total_ms)
+        assert step.other_ms == pytest.approx(0, abs=1e-9)
+        # Disjoint on the step's axis: the update follows the backward, not before the forward.
+        assert step.forward_start_ms < step.backward_start_ms < step.optimizer_start_ms
+        assert step.optimizer_start_ms == pytest.approx(step.total_ms - 4)
+    later = sent[1:]
+    assert all(s.data_ms == pytest.approx(31) for s in later)  # the load and the closure's zero_grad
+
+
+def test_an_lbfgs_closure_called_several_times_is_one_step(steps, clock, sent):
+    closure_step(steps, clock, calls=3, between=0.003, after=0.002)
+    closure_step(steps, clock, calls=2, between=0.003, after=0.002)
+    steps.finish()
+    first, second = sent
+    assert (first.micro_batches, second.micro_batches) == (3, 2)
+    assert first.forward_ms == pytest.approx(30) and first.backward_ms == pytest.approx(60)
+    assert first.optimizer_ms == pytest.approx(2 * 3 + 2)  # its work between the calls, and the update
+    assert second.optimizer_ms == pytest.approx(3 + 2)
+    for step in sent:
+        phases = step.data_ms + step.forward_ms + step.backward_ms + step.comm_wait_ms + step.optimizer_ms
+        assert phases == pytest.approx(step.total_ms)

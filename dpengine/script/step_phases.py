@@ -8,7 +8,9 @@ Its phases:
 - forward and backward: the DDP forwards and the backward calls (backward without comm_wait);
 - comm_wait: the exposed gradient all-reduce wait: the last bucket ready (its comm hook called) to
   its all-reduce done (the hook's future completed);
-- optimizer: optimizer.step, through torch's global hooks;
+- optimizer: optimizer.step, through torch's global hooks, without the forwards and backwards its
+  closure runs (Lightning's loop, LBFGS): those are the step's forward and backward, and the
+  optimizer's own time starts at the first of them (before it, the step's data phase);
 - other: the step's total minus the phases above.
 Times are marks of a clock: the host's perf_counter on the CPU (gloo); CUDA events on the current
 stream on a GPU, read once they have completed (never a synchronize on the training stream), so a
@@ -98,6 +100,7 @@ class _Step:
     forwards: list[tuple[Any, Any]] = field(default_factory=list)
     backwards: list[_Backward] = field(default_factory=list)
     optimizers: list[tuple[Any, Any]] = field(default_factory=list)
+    in_closure: list[tuple[Any, Any]] = field(default_factory=list)  # forwards, backwards inside optimizer.step
     losses: list[LossReading | None] = field(default_factory=list)  # per micro-batch
     samples: int = 0
     synced: bool = True  # the last forward's backward all-reduces (not under no_sync())
@@ -132,6 +135,7 @@ class RankSteps:
         self._backward: _Backward | None = None
         self._forward_start: Any = None
         self._optimizer_start: Any = None
+        self._closure_step: _Step | None = None  # the step the open optimizer.step's closure is running
         self._unsent: list[_Step] = []  # finished, waiting for their CUDA events
         self._lock = threading.Lock()
 
@@ -150,23 +154,32 @@ class RankSteps:
 
     def forward_begins(self, samples: int, synced: bool) -> None:
         step = self._step
-        if step is not None and step.ends_at_forward():
+        in_optimizer = self._optimizer_start is not None
+        # A closure's later forwards (LBFGS calls it again) are the same step's micro-batches.
+        if step is not None and step is not self._closure_step and step.ends_at_forward():
             self._end(step)
             step = None
         if step is None:
             if self._before_step is not None and self._before_step(self._next):
                 self._last_end = None  # paused: the step starts now, not at the previous one's end
-            start = self._last_end if self._last_end is not None else self.clock.mark()
+            start = self._last_end
+            if start is None:
+                start = self._optimizer_start if in_optimizer else self.clock.mark()
             step = self._step = _Step(self._next, start)
             self._next += 1
         self._forward_start = self.clock.mark()
         step.samples += samples
         step.synced = synced
+        if in_optimizer:
+            self._closure_step = step
 
     def forward_ends(self) -> None:
         step = self._step
         if step is not None and self._forward_start is not None:
-            step.forwards.append((self._forward_start, self.clock.mark()))
+            span = (self._forward_start, self.clock.mark())
+            step.forwards.append(span)
+            if self._optimizer_start is not None:
+                step.in_closure.append(span)
         self._forward_start = None
 
     # -- the comm hook: each gradient bucket's all-reduce --------------------------------
@@ -196,11 +209,14 @@ class RankSteps:
             return
         backward.end = self.clock.mark()
         step.backwards.append(backward)
+        if self._optimizer_start is not None:
+            step.in_closure.append((backward.start, backward.end))
         self._backward = None
 
     def optimizer_begins(self) -> None:
-        if self._step is not None:
-            self._optimizer_start = self.clock.mark()
+        # Also before the step's first forward: a closure may run it (Lightning, LBFGS).
+        self._optimizer_start = self.clock.mark()
+        self._closure_step = None
 
     def optimizer_ends(self) -> None:
         step = self._step
@@ -210,6 +226,7 @@ class RankSteps:
             step.end = end
             step.memory = self.clock.memory()
         self._optimizer_start = None
+        self._closure_step = None
 
     # -- finishing -----------------------------------------------------------------------
 
@@ -252,6 +269,13 @@ class RankSteps:
                         if b.last_ready is not None and b.last_done is not None)
         backward = sum(ms(b.start, b.end) for b in step.backwards) - comm_wait
         optimizer = sum(ms(a, b) for a, b in step.optimizers)
+        optimizer_start = step.optimizers[0][0] if step.optimizers else None
+        if step.in_closure and step.optimizers:
+            # From the closure's first forward on, only what its forwards and backwards leave (their
+            # comm_wait within) is the optimizer's; what came before that forward is data.
+            first, last = step.in_closure[0][0], step.in_closure[-1][1]
+            optimizer -= ms(step.optimizers[0][0], first) + sum(ms(a, b) for a, b in step.in_closure)
+            optimizer_start = last  # where the update itself begins
 
         def offset(mark: Any) -> float | None:
             return None if mark is None else ms(start, mark)
@@ -262,14 +286,14 @@ class RankSteps:
         return RankStepFinished(
             rank=self.rank, step=step.number,
             data_ms=data, forward_ms=forward, backward_ms=max(backward, 0.0), comm_wait_ms=comm_wait,
-            optimizer_ms=optimizer, other_ms=max(total - data - forward - backward - comm_wait - optimizer, 0.0),
+            optimizer_ms=max(optimizer, 0.0), other_ms=max(total - data - forward - backward - comm_wait - optimizer, 0.0),
             total_ms=total, loss=_loss_value(step.losses), samples=step.samples,
             micro_batches=len(step.forwards), memory_bytes=memory, peak_memory_bytes=peak,
             data_start_ms=0.0,
             forward_start_ms=offset(step.forwards[0][0] if step.forwards else None),
             backward_start_ms=offset(step.backwards[0].start if step.backwards else None),
             comm_wait_start_ms=offset(waits[0] if waits else None),
-            optimizer_start_ms=offset(step.optimizers[0][0] if step.optimizers else None),
+            optimizer_start_ms=offset(optimizer_start),
             allreduce_end_ms=offset(dones[-1] if dones else None),
         )
 
