@@ -102,6 +102,20 @@ def test_a_rank_that_raises_is_named_and_its_status_is_dptuis():
         assert gone(joined["pid"])
 
 
+def test_when_both_ranks_raise_dptui_names_torchruns_first_failure_and_exits_as_it():
+    # Rank 1 raises first but is slow to exit; rank 0 raises and exits: torchrun names rank 0 and
+    # SIGTERMs rank 1. dptui said "rank 1: script exited 143" and exited 143 (2 of 4 tries).
+    for _ in range(2):
+        done = dptui("--nproc-per-node", "2", "--headless", FAKE, "forever=1", "fail_rank=1,0",
+                     "fail_step=3,6", "linger=1:4")
+        root = done.stderr[done.stderr.index("Root Cause"):]
+        torchruns_rank = int(root.split("rank      : ", 1)[1].split()[0])
+        assert torchruns_rank == 0, root
+        assert done.returncode == 1, done.stderr
+        assert "ddp: 6 steps, failed: rank 0: script exited 1" in done.stderr
+        assert "dptui: rank 1 raised first (ValueError: rank 1 broke at step 3); torchrun names rank 0" in done.stderr
+
+
 def test_a_script_exit_status_is_the_first_failed_ranks():
     done = dptui("--nproc-per-node", "2", "--headless", FAKE, "steps=3", "exit_code=3")
     assert done.returncode == 3, done.stderr

@@ -98,10 +98,28 @@ def test_without_any_word_from_the_ranks_torchruns_own_status():
     assert exit_status(Generation(0), FailureRecord(), None, -signal.SIGKILL).code == 137
 
 
-def test_a_rank_that_raised_is_the_cause_even_when_torchrun_saw_a_peer_abort_first():
+def test_torchruns_first_failure_is_the_cause_and_a_rank_heard_raising_first_is_noted():
+    # Both ranks raised; rank 1 said it first, torchrun saw rank 0 exit first and SIGTERMed rank 1.
+    # Was: "rank 1: script exited 143", exit 143, where plain torchrun names rank 0 (exit 1).
+    gen = generation()
+    gen.failed[1] = {"host": "node1", "error": "ValueError: boom"}
+    gen.failed[0] = {"host": "node0", "error": "ValueError: boom"}
+    status = exit_status(gen, record((0, 1), (1, -signal.SIGTERM)), None, 1)
+    assert (status.code, status.signal, status.failed_rank) == (1, None, 0)
+    assert status.notes == ("rank 1 raised first (ValueError: boom); torchrun names rank 0 as its first failure",)
+    # A peer that aborted in its collective, named by torchrun: named by dptui too, with the raiser noted.
     gen = generation()
     gen.failed[1] = {"host": "node1", "error": "ValueError: boom"}
     status = exit_status(gen, record((0, -signal.SIGABRT), (1, 1)), None, 1)
+    assert (status.code, status.signal, status.failed_rank) == (134, "SIGABRT", 0)
+    assert status.notes[0].startswith("rank 1 raised first (ValueError: boom)")
+
+
+def test_without_torchruns_record_the_first_rank_that_raised_is_the_cause():
+    gen = generation()
+    gen.failed[1] = {"host": "node1", "error": "ValueError: boom"}
+    gen.remote_codes[0] = -signal.SIGABRT
+    status = exit_status(gen, FailureRecord(), None, 1)
     assert (status.code, status.failed_rank) == (1, 1)
 
 

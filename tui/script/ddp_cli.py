@@ -3,7 +3,7 @@
 A DDP script's ranks under torch's own launcher, watched: live rank panels and the straggler
 verdict, or with --headless each rank's output as under torchrun and a per-rank summary at the end.
 Bad input is one line on stderr and exit 2 before anything starts. Exit status: 0 when every rank
-succeeded; else the first failed rank's (128+N for signal N); 130 after Ctrl-C, 143 after SIGTERM.
+succeeded; else that of torchrun's first failure (128+N for signal N); 130 after Ctrl-C, 143 after SIGTERM.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
         "is the straggler and why. Options before the script that are not listed here are torchrun's "
         "and mean what they mean to torchrun (--nproc-per-node, --nnodes, --node-rank, --master-addr, "
         "--master-port, --standalone, --max-restarts, --rdzv-*, ...).",
-        epilog="Exit status: 0 when every rank succeeds; else the first failed rank's (128+N for signal N); "
+        epilog="Exit status: 0 when every rank succeeds; else that of torchrun's first failure (128+N for signal N); "
         "130 after Ctrl-C, 143 after SIGTERM; 2 bad usage.",
     )
     parser.add_argument("--headless", action="store_true",

@@ -70,6 +70,11 @@ class FailureRecord:
     def failures(self) -> list[Failure]:
         return sorted(self._entries, key=lambda f: not f.root_cause)
 
+    @property
+    def root_cause(self) -> Failure | None:
+        """torchrun's first observed failure, the rank its own exit and table name."""
+        return next((f for f in self._entries if f.root_cause), None)
+
     def exit_code_of_pid(self, pid: int) -> int | None:
         """The exit status torchrun's agent logged for the worker process `pid` (-N: signal N), if it did."""
         return self._worker_exits.get(pid)

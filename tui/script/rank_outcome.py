@@ -5,7 +5,11 @@ script finished with a status, or raised) and torchrun's failure record (the sta
 that could not say: a signal) decide each rank's `RankEnded` and dptui's status:
 - 0 when every rank's script finished with 0; a gloo rank that aborts in interpreter teardown after
   its script finished counts as finished, with a one-line note (never an abort before the end);
-- else the first failed rank's status: its script's, or its process's (128+N for signal N);
+- else torchrun's first observed failure (its "Root Cause"), as torchrun itself names it: that
+  rank's process status (128+N for signal N), so dptui and plain torchrun name the same rank every
+  try; where the first rank dptui heard raise is another, a note says so (torchrun's order is by
+  whole seconds, then by rank). Without torchrun's record (it was killed, another node's rank):
+  the first rank that raised, else the first that failed;
 - after dptui was stopped, 128 + the signal it was stopped with: 130 (Ctrl-C, q), 143 (SIGTERM).
 """
 
@@ -73,7 +77,7 @@ class ExitStatus:
     code: int  # dptui's exit status
     signal: str | None = None  # the signal that ended the failed rank, if one did
     failed_rank: int | None = None
-    notes: tuple[str, ...] = ()  # one line each (teardown aborts after the script's end)
+    notes: tuple[str, ...] = ()  # one line each (teardown aborts after the script's end, who raised first)
 
 
 def exit_status(gen: Generation, record: FailureRecord, stopped_by: int | None, launcher_code: int) -> ExitStatus:
@@ -89,6 +93,14 @@ def exit_status(gen: Generation, record: FailureRecord, stopped_by: int | None, 
     world = gen.world_size or len(gen.joined)
     if world and len(gen.finished) >= world and all(c == 0 for c in gen.finished.values()):
         return ExitStatus(0, notes=notes)
+    root = record.root_cause
+    if root is not None and gen.finished.get(root.rank) != 0:  # not a teardown abort, noted
+        raised_first = next(iter(gen.failed), None)
+        if raised_first is not None and raised_first != root.rank:
+            error = gen.failed[raised_first].get("error") or "an exception"
+            notes += (f"rank {raised_first} raised first ({error}); torchrun names rank {root.rank} "
+                      "as its first failure",)
+        return ExitStatus(shell_status(root.exit_code), signal_name(root.exit_code), root.rank, notes)
     # The first rank whose script raised is the cause (its peers may raise after it, in a collective
     # whose peer is gone), even when torchrun saw a peer die first: a gloo rank whose peer is gone may
     # abort (SIGABRT) in its collective before the raiser's exit. `failed` is in the order they said it.
