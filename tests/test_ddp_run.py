@@ -102,12 +102,15 @@ def test_a_rank_that_raises_is_named_and_its_status_is_dptuis():
         assert gone(joined["pid"])
 
 
-def test_when_both_ranks_raise_dptui_names_torchruns_first_failure_and_exits_as_it():
-    # Rank 1 raises first but is slow to exit; rank 0 raises and exits: torchrun names rank 0 and
-    # SIGTERMs rank 1. dptui said "rank 1: script exited 143" and exited 143 (2 of 4 tries).
-    for _ in range(2):
+def test_when_both_ranks_raise_dptui_names_torchruns_first_failure_and_exits_as_it(tmp_path):
+    # Rank 1 raises first but is slow to exit; rank 0 raises (only after rank 1 has: ranks start
+    # apart on a busy machine) and exits: torchrun names rank 0 and SIGTERMs rank 1. dptui said
+    # "rank 1: script exited 143" and exited 143 (2 of 4 tries).
+    for attempt in range(2):
+        marks = tmp_path / str(attempt)
+        marks.mkdir()
         done = dptui("--nproc-per-node", "2", "--headless", FAKE, "forever=1", "fail_rank=1,0",
-                     "fail_step=3,6", "linger=1:4")
+                     "fail_step=3,6", "linger=1:4", f"fail_after=1:{marks}")
         root = done.stderr[done.stderr.index("Root Cause"):]
         torchruns_rank = int(root.split("rank      : ", 1)[1].split()[0])
         assert torchruns_rank == 0, root
