@@ -13,21 +13,47 @@ LIGHTNING = str(Path(__file__).parent / "fixtures" / "frameworks" / "lightning_f
 PHASES = ("data_ms", "forward_ms", "backward_ms", "comm_wait_ms", "optimizer_ms")
 
 
-def dptui_ddp(script: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tui.cli", "run", "--nproc-per-node", "2", "--headless", "--json",
-                           "--no-telemetry", script, *args], capture_output=True, text=True, timeout=300)
+def dptui_run(launch: str, script: str, *args: str) -> subprocess.CompletedProcess:
+    """`launch`: "torchrun" (dptui run --nproc-per-node 2) or "self" (plain dptui run: the script's
+    framework starts its other ranks itself)."""
+    ddp = ["--nproc-per-node", "2"] if launch == "torchrun" else []
+    return subprocess.run([sys.executable, "-m", "tui.cli", "run", *ddp, "--headless", "--json", "--no-telemetry",
+                           script, *args], capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("phase", ["none", "data", "forward"])
-def test_lightning_under_torchrun_steps_every_rank_with_disjoint_phases_and_the_right_verdict(phase):
-    done = dptui_ddp(LIGHTNING, phase, "22")
-    assert done.returncode == 0, done.stderr
-    events = json_events(done.stdout)
+def assert_steps_phases_and_verdict(events: list[dict], steps_per_rank: int, phase: str) -> None:
     steps = of_type(events, "rank_step")
-    assert sorted((s["rank"], s["step"]) for s in steps) == [(r, s) for r in range(2) for s in range(22)]
+    assert sorted((s["rank"], s["step"]) for s in steps) == [(r, s) for r in range(2) for s in range(steps_per_rank)]
     for step in steps:
         # Lightning runs forward and backward inside optimizer.step(closure): they are not optimizer time.
         assert sum(step[p] for p in PHASES) <= step["total_ms"] * 1.0001 + 1e-6, step
         assert step["forward_start_ms"] < step["backward_start_ms"] < step["optimizer_start_ms"], step
     verdicts = [(v["rank"], v["phase"]) for v in of_type(events, "straggler")]
     assert verdicts[:1] == ([] if phase == "none" else [(1, phase)]), verdicts
+
+
+def script_lines(events: list[dict]) -> list[str]:
+    return sorted(e["line"] for e in of_type(events, "output") if e["stream"] == "stdout")
+
+
+@pytest.mark.parametrize(("launch", "phase"), [("torchrun", "none"), ("torchrun", "data"), ("torchrun", "forward"),
+                                               ("self", "none"), ("self", "forward")])
+def test_lightning_steps_every_rank_with_disjoint_phases_and_the_right_verdict(launch, phase):
+    done = dptui_run(launch, LIGHTNING, phase, "22")
+    assert done.returncode == 0, done.stderr
+    events = json_events(done.stdout)
+    assert len(of_type(events, "rank_joined")) == 2
+    assert_steps_phases_and_verdict(events, 22, phase)
+    assert not of_type(events, "notice"), of_type(events, "notice")
+
+
+def test_lightning_launching_itself_under_dptui_does_as_without_it():
+    # Lightning starts rank 1 by re-running the script with subprocess.Popen: dptui recorded rank 0
+    # only (one rank_joined with world_size 2), and said nothing of rank 1.
+    plain = subprocess.run([sys.executable, LIGHTNING, "none", "6"], capture_output=True, text=True, timeout=300)
+    watched = dptui_run("self", LIGHTNING, "none", "6")
+    assert (watched.returncode, plain.returncode) == (0, 0), watched.stderr
+    assert script_lines(json_events(watched.stdout)) == sorted(plain.stdout.splitlines())
+    assert sorted(script_lines(json_events(watched.stdout))) == ["rank 0 done: 6 steps", "rank 1 done: 6 steps"]
+    ended = of_type(json_events(watched.stdout), "rank_ended")
+    assert sorted((e["rank"], e["exit_code"], e["script_finished"]) for e in ended) == [(0, 0, True), (1, 0, True)]

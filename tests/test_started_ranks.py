@@ -66,7 +66,8 @@ def nothing_left(events: list) -> None:
         raise AssertionError(f"left behind: {left_in_group(events)}") from None
 
 
-@pytest.mark.parametrize("how", ["fork", "forkserver", "process:fork", "process:spawn", "parent:fork", "os.fork"])
+@pytest.mark.parametrize("how", ["fork", "forkserver", "process:fork", "process:spawn", "parent:fork", "os.fork",
+                                 "subprocess"])
 def test_dptui_run_watches_the_ranks_a_script_starts(how, monkeypatch):
     for name in [k for k in os.environ if k.startswith("DPTUI_")]:
         monkeypatch.delenv(name)
@@ -88,6 +89,31 @@ def test_dptui_run_watches_the_ranks_a_script_starts(how, monkeypatch):
     assert ends == [(0, 0, True), (1, 0, True)]
     assert not [e.text for e in events if isinstance(e, ScriptNotice)]  # nothing said unrecorded
     assert all(gone(e.pid) for e in joined)
+    nothing_left(events)
+
+
+def test_a_rank_out_of_dptuis_reach_is_said_not_recorded_and_the_others_are_shown(monkeypatch):
+    # Its own environment: no dptui on its path, no channel. Was: rank 0 only, not a word of rank 1.
+    for name in [k for k in os.environ if k.startswith("DPTUI_")]:
+        monkeypatch.delenv(name)
+    run, events = run_script("subprocess:fresh-env")  # its status is its child's: gloo's teardown may abort it
+    assert [e.rank for e in events if isinstance(e, RankJoined)] == [0]
+    assert sorted(e.step for e in events if isinstance(e, RankStepFinished)) == list(range(STEPS))
+    notices = [e.text for e in events if isinstance(e, ScriptNotice)]
+    assert notices == ["rank 1 of 2 was not recorded: it never reached dptui (a process dptui does not watch, "
+                       "or one whose link to dptui was cut)"]
+    nothing_left(events)
+
+
+def test_a_rank_started_with_subprocess_that_raises_is_named_with_its_error(monkeypatch):
+    for name in [k for k in os.environ if k.startswith("DPTUI_")]:
+        monkeypatch.delenv(name)
+    run, events = run_script("subprocess", "1")
+    assert run.exit_code == 1  # the script's: its rank 0 exits with rank 1's status
+    ends = {e.rank: e for e in events if isinstance(e, RankEnded)}
+    assert ends[0].script_finished
+    assert (ends[1].script_finished, ends[1].exit_code, ends[1].error) == (False, 1, "RuntimeError: rank 1 lost its data")
+    assert "started_ranks.py" in ends[1].traceback
     nothing_left(events)
 
 

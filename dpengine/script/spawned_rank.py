@@ -11,7 +11,9 @@ rank known. It reaches the children as they are made:
 - spawn: a fresh interpreter. The bootstrap puts dpengine/script/spawned on PYTHONPATH, so the child
   imports its sitecustomize, which calls `install` before the child unpickles its target;
 - forkserver: the server is such a fresh interpreter; its sitecustomize calls `install_in_forkserver`,
-  and the children it forks inherit the watch from it, as from a forking script.
+  and the children it forks inherit the watch from it, as from a forking script;
+- subprocess (Lightning's launcher re-runs the script with LOCAL_RANK and WORLD_SIZE set): a fresh
+  interpreter too, whose sitecustomize calls `install_in_started_rank`.
 How the child's function ended (script_finished or rank_failed) is said by our wrapper around torch's
 spawn wrapper (start_processes' children), around a Process's run (every other child), by the
 bootstrap when the script ends (its own process, and a bare os.fork() child that returns into it), or
@@ -20,6 +22,7 @@ at os._exit (a bare os.fork() child's usual end).
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import sys
@@ -45,6 +48,28 @@ def carry_into_spawned_children() -> None:
 def install() -> None:
     """A spawned child (sitecustomize): it is the rank."""
     _watch(*_take_channel(), home=None)
+
+
+def install_in_started_rank() -> None:
+    """A process the script started with subprocess as a rank (sitecustomize): Python runs the script
+    as it would without dptui, so its end is said on the way out: after an uncaught exception 1 (with
+    it), else sys.exit's status, else 0."""
+    install()
+    said_status = [0]
+    exit_with, excepthook = sys.exit, sys.excepthook
+
+    def exit(status=None):
+        from .bootstrap import exit_status
+
+        said_status[0] = exit_status(SystemExit(status))
+        exit_with(status)
+
+    def uncaught(kind, error, tb):
+        say_end(1, error)
+        excepthook(kind, error, tb)
+
+    sys.exit, sys.excepthook = exit, uncaught
+    atexit.register(lambda: say_end(said_status[0], None))
 
 
 def install_in_forkserver() -> None:

@@ -53,6 +53,12 @@ from .rank_server import Connection, RankServer
 
 PAUSE_AHEAD = 2  # steps past the newest any rank reported: every rank can still stop before it
 MAX_PAUSE_AHEAD = 4096  # a rank answered late: ask again this many steps ahead at most (doubling from PAUSE_AHEAD)
+# A DDP step needs every rank, and a rank says hello before its first: once the ranks that joined
+# have stepped this often and this long (another node's hello comes the long way), a rank that has
+# not is not coming (its process is one dptui does not watch, or its link was cut). The run is
+# shown without it, and that is said.
+MISSING_RANK_STEPS = 3
+MISSING_RANK_S = 3.0
 NODES_WAIT_S = 30.0  # node 0, its own ranks ended: how long the other nodes have to send their ranks' ends
 
 
@@ -317,6 +323,22 @@ class RankHub:
         self.steps += 1
         self.samples += event.samples
         self._rank_event(gen, event)
+        if not gen.started:
+            gen.first_step_at = gen.first_step_at or time.monotonic()
+            if (gen.last_step[event.rank] + 1 >= MISSING_RANK_STEPS
+                    and time.monotonic() - gen.first_step_at >= MISSING_RANK_S):
+                self._say_missing(gen)
+                self._start_generation(gen)
+
+    def _say_missing(self, gen: Generation) -> None:
+        missing = sorted(set(range(gen.world_size)) - set(gen.joined))
+        if len(missing) == 1:
+            said = f"rank {missing[0]} of {gen.world_size} was not recorded: it"
+        else:
+            said = f"ranks {', '.join(map(str, missing))} of {gen.world_size} were not recorded: they"
+        if missing:
+            self.notice(f"{said} never reached dptui (a process dptui does not watch, or one whose link to dptui "
+                        "was cut)", key=f"missing ranks {gen.number}")
 
     def _on_state(self, gen: Generation, rank: int, body: dict[str, Any]) -> None:
         state = body.get("state")
@@ -396,6 +418,8 @@ class RankHub:
         lists every failed rank, so it exited 0; a script's own spawn says nothing of them)."""
         with self.lock:
             gen = self.gen
+            if gen.joined:
+                self._say_missing(gen)
             if not gen.started and gen.joined:
                 self._start_generation(gen)  # a rank never said hello: show those that did
             for rank in sorted(set(gen.joined) | {f.rank for f in record.failures}):

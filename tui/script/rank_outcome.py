@@ -42,6 +42,7 @@ class Generation:
     states: dict[int, str] = field(default_factory=dict)  # rank -> "paused" | "running"
     last_step: dict[int, int] = field(default_factory=dict)
     timeout_s: float | None = None  # the collective timeout a rank's script chose (process_group line)
+    first_step_at: float | None = None  # monotonic, the first step a rank said before the generation started
 
     def host_of(self, rank: int) -> str:
         failed = self.failed.get(rank) or {}

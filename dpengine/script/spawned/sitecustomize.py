@@ -1,9 +1,10 @@
 """On the path of the interpreters a script under `dptui run` starts: watch multiprocessing's spawned
-children, and those its forkserver forks, as DDP ranks (dpengine.script.spawned_rank), then run the
-sitecustomize this one shadows.
+children, those its forkserver forks, and the processes it starts with subprocess as ranks
+(LOCAL_RANK and WORLD_SIZE > 1 in their environment: Lightning's own launcher re-runs the script so)
+as DDP ranks (dpengine.script.spawned_rank), then run the sitecustomize this one shadows.
 
 Python imports one `sitecustomize`, the first on sys.path; this one does nothing else in a process
-that is neither a spawned child nor a forkserver, or when no dptui listens (DPTUI_RANK_CHANNEL unset).
+that is none of those, or when no dptui listens (DPTUI_RANK_CHANNEL unset).
 """
 
 import importlib.machinery
@@ -17,7 +18,8 @@ FORKSERVER = "from multiprocessing.forkserver import main"  # the server's `pyth
 def _watch() -> None:
     spawned = "--multiprocessing-fork" in sys.argv
     forkserver = any(arg.startswith(FORKSERVER) for arg in getattr(sys, "orig_argv", ()))
-    if not (spawned or forkserver) or not os.environ.get("DPTUI_RANK_CHANNEL"):
+    started_as_rank = not (spawned or forkserver) and "LOCAL_RANK" in os.environ and _world_size() > 1
+    if not (spawned or forkserver or started_as_rank) or not os.environ.get("DPTUI_RANK_CHANNEL"):
         return
     try:
         from dpengine.script import spawned_rank
@@ -25,8 +27,17 @@ def _watch() -> None:
         return
     if spawned:
         spawned_rank.install()
-    else:
+    elif forkserver:
         spawned_rank.install_in_forkserver()
+    else:
+        spawned_rank.install_in_started_rank()
+
+
+def _world_size() -> int:
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
 
 
 def _chain() -> None:
