@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,16 +10,27 @@ from pathlib import Path
 import pytest
 from test_ddp_run import json_events, of_type
 
-LIGHTNING = str(Path(__file__).parent / "fixtures" / "frameworks" / "lightning_fit.py")
+FRAMEWORKS = Path(__file__).parent / "fixtures" / "frameworks"
+LIGHTNING = str(FRAMEWORKS / "lightning_fit.py")
+ACCELERATE = str(FRAMEWORKS / "accelerate_loop.py")
+# accelerate's own launcher, as a module and as the console script pip puts beside python.
+ACCELERATE_LAUNCH = {"module": ["-m", "accelerate.commands.launch"], "script": ["accelerate", "launch"]}
+TWO_CPU_RANKS = ["--multi_gpu", "--num_processes", "2"]
 PHASES = ("data_ms", "forward_ms", "backward_ms", "comm_wait_ms", "optimizer_ms")
 
 
+def with_python_bin_on_path() -> dict[str, str]:
+    return {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+
+
 def dptui_run(launch: str, script: str, *args: str) -> subprocess.CompletedProcess:
-    """`launch`: "torchrun" (dptui run --nproc-per-node 2) or "self" (plain dptui run: the script's
-    framework starts its other ranks itself)."""
+    """`launch`: "torchrun" (dptui run --nproc-per-node 2), "self" (plain dptui run: the script's
+    framework starts its other ranks itself), or accelerate's launcher ("module" or "script")."""
     ddp = ["--nproc-per-node", "2"] if launch == "torchrun" else []
+    target = [*ACCELERATE_LAUNCH[launch], *TWO_CPU_RANKS] if launch in ACCELERATE_LAUNCH else []
     return subprocess.run([sys.executable, "-m", "tui.cli", "run", *ddp, "--headless", "--json", "--no-telemetry",
-                           script, *args], capture_output=True, text=True, timeout=300)
+                           *target, script, *args], capture_output=True, text=True, timeout=300,
+                          env=with_python_bin_on_path())
 
 
 def assert_steps_phases_and_verdict(events: list[dict], steps_per_rank: int, phase: str) -> None:
@@ -55,5 +67,28 @@ def test_lightning_launching_itself_under_dptui_does_as_without_it():
     assert (watched.returncode, plain.returncode) == (0, 0), watched.stderr
     assert script_lines(json_events(watched.stdout)) == sorted(plain.stdout.splitlines())
     assert sorted(script_lines(json_events(watched.stdout))) == ["rank 0 done: 6 steps", "rank 1 done: 6 steps"]
+    ended = of_type(json_events(watched.stdout), "rank_ended")
+    assert sorted((e["rank"], e["exit_code"], e["script_finished"]) for e in ended) == [(0, 0, True), (1, 0, True)]
+
+
+@pytest.mark.parametrize(("launch", "phase"), [("torchrun", "none"), ("torchrun", "data"), ("module", "forward"),
+                                               ("script", "data")])
+def test_accelerate_steps_every_rank_with_the_right_verdict_under_torchrun_and_accelerate_launch(launch, phase):
+    # Under `accelerate launch` dptui recorded no rank and said the script built no DataParallel.
+    done = dptui_run(launch, ACCELERATE, phase, "22")
+    assert done.returncode == 0, done.stderr
+    events = json_events(done.stdout)
+    assert len(of_type(events, "rank_joined")) == 2
+    assert_steps_phases_and_verdict(events, 22, phase)
+    assert not of_type(events, "notice"), of_type(events, "notice")
+
+
+def test_accelerate_launch_under_dptui_does_as_without_it():
+    plain = subprocess.run(["accelerate", "launch", *TWO_CPU_RANKS, ACCELERATE, "none", "6"], capture_output=True,
+                           text=True, timeout=300, env=with_python_bin_on_path())
+    watched = dptui_run("script", ACCELERATE, "none", "6")
+    assert (watched.returncode, plain.returncode) == (0, 0), watched.stderr
+    assert script_lines(json_events(watched.stdout)) == sorted(plain.stdout.splitlines()) == [
+        "rank 0 done: 6 steps", "rank 1 done: 6 steps"]
     ended = of_type(json_events(watched.stdout), "rank_ended")
     assert sorted((e["rank"], e["exit_code"], e["script_finished"]) for e in ended) == [(0, 0, True), (1, 0, True)]

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import io
+import json
 import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 from rich.text import Text
 
@@ -108,3 +112,15 @@ def test_escape_sequences_show_as_text_and_sgr_colours_stay_colours():
     [span] = text.spans
     assert text.plain[span.start:span.end] == "red" and span.style.color.number == 1 and span.style.bold
     assert safe_text("plain \x08").plain == "plain ^H"
+
+
+def test_processes_sharing_the_scripts_stdout_under_dptui_run_print_whole_lines():
+    # Unbuffered, print writes the text and its newline apart: ranks sharing the pipe interleaved
+    # mid-line (`rank 1 done: 6 stepsrank 0 done: 6 steps`, then an empty line).
+    script = Path(__file__).parent / "fixtures" / "scripts" / "shared_pipe_printers.py"
+    done = subprocess.run([sys.executable, "-m", "tui.cli", "run", "--headless", "--json", "--no-telemetry",
+                           str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = [e["line"] for e in map(json.loads, done.stdout.splitlines())
+             if e["type"] == "output" and e["stream"] == "stdout"]
+    assert sorted(lines) == sorted(f"process {p} line {i}" for p in range(3) for i in range(300))

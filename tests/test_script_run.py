@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -343,6 +344,8 @@ def test_json_piped_into_head_stops_the_script_quietly():
         (["run", "--trace", script("exits_3.py"), script("exits_3.py")],
          f"dptui run: error: --trace {script('exits_3.py')}: that is the script itself; name another file"),
         (["run", "-m", "no_such_package.train"], "dptui run: error: no module named 'no_such_package'"),
+        (["run", "no_such_program_on_path"], "dptui run: error: no such script: no_such_program_on_path"),
+        (["run", "sh"], f"dptui run: error: sh on PATH ({shutil.which('sh')}) is not a Python script; dptui run"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2_before_anything_starts(capsys, argv, message):

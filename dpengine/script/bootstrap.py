@@ -101,10 +101,13 @@ def run_file(path: str) -> None:
 
 
 def main() -> None:
+    from .whole_lines import write_whole_lines
+
     argv = sys.argv[1:]
     if not argv or argv == ["-m"]:
         sys.exit("usage: python -m dpengine.script.bootstrap (PATH | -m MODULE) [ARGS...]")
     _stay_with_dptui()
+    write_whole_lines()
     _connect()
     from .spawned_rank import say_end
 

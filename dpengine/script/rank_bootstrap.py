@@ -38,6 +38,9 @@ def main() -> None:
     from .keeper import die_with_parent
 
     die_with_parent(os.getppid(), signal.SIGKILL)  # torchrun's agent: a rank never outlives it
+    from .whole_lines import write_whole_lines
+
+    write_whole_lines()
     env = os.environ
     local_rank = int(env.get("LOCAL_RANK", 0))
     link = connect(env.pop(rank_wire.CHANNEL), hello(

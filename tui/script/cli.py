@@ -10,6 +10,7 @@ import argparse
 import importlib.machinery
 import importlib.util
 import os
+import shutil
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -94,10 +95,8 @@ def parse_target(rest: Sequence[str], log: str | None, trace: str | None) -> Scr
         target = ScriptTarget(rest[1], tuple(rest[2:]), module=True)
         program_file = _module_file(target.program)
     else:
-        target = ScriptTarget(rest[0], tuple(rest[1:]))
+        target = ScriptTarget(_script_file(rest[0]), tuple(rest[1:]))
         program_file = target.program
-        if not Path(program_file).is_file():
-            raise UsageError(f"no such script: {target.program}")
     if log:
         check_log_path(log)
     if trace:
@@ -106,6 +105,22 @@ def parse_target(rest: Sequence[str], log: str | None, trace: str | None) -> Scr
         if path and program_file is not None and _same_file(path, program_file):
             raise UsageError(f"{flag} {path}: that is the script itself; name another file for the events")
     return target
+
+
+def _script_file(program: str) -> str:
+    """A script's path: a file here, or a bare name on PATH that is a Python program (a console
+    script such as `accelerate`, run as `python` would run it)."""
+    if Path(program).is_file():
+        return program
+    found = shutil.which(program) if os.sep not in program else None
+    if found is None:
+        raise UsageError(f"no such script: {program}")
+    with open(found, "rb") as script:
+        first_line = script.readline(256)
+    if not (first_line.startswith(b"#!") and b"python" in first_line):
+        raise UsageError(f"{program} on PATH ({found}) is not a Python script; dptui run runs Python "
+                         "scripts and modules (-m)")
+    return found
 
 
 def _module_file(name: str) -> str | None:

@@ -21,6 +21,7 @@ from typing import IO, Any
 
 from dpengine.eventlog.events import Publisher, RunConfig, RunFailed, RunFinished
 from dpengine.run.protocol import BALANCE, BATCH_SIZE, DEVICES, PAUSE, ControlUnsupported
+from dpengine.script import whole_lines
 from dpengine.script.torchrun_child import PARENT_PID
 
 from . import spawner
@@ -180,6 +181,7 @@ class DdpRun(Publisher):
         env.setdefault("PYTHONUNBUFFERED", "1")  # each rank's lines as printed (torchrun adds -u too)
         if self._capture:
             env[LINE_PREFIX_ENV] = LINE_PREFIX_TEMPLATE
+            env[whole_lines.ENV] = "1"
         argv = self.launch.argv(tag_lines=self._capture)
         argv[1:3] = ["-m", "dpengine.script.torchrun_child"]  # torchrun, with the parent-death signal first
         self._proc = spawner.popen(

@@ -34,7 +34,7 @@ from dpengine.eventlog.events import (
 )
 from dpengine.eventlog.reader import EventLogError, decode_step
 from dpengine.run.protocol import BALANCE, BATCH_SIZE, DEVICES, PAUSE, ControlUnsupported
-from dpengine.script import wire
+from dpengine.script import whole_lines, wire
 
 from . import spawner
 from .events import DataParallelSeen, ScriptExited, ScriptNotice, ScriptOutput, ScriptStarted, StepsDropped
@@ -234,6 +234,7 @@ class ScriptRun(Publisher):
         env.update(self._ranks.listen().env())
         if self._capture:
             env["PYTHONUNBUFFERED"] = "1"  # lines as they are printed, not in 8 KiB blocks
+            env[whole_lines.ENV] = "1"  # each line in one write, though ranks share the pipe
         pipe = subprocess.PIPE if self._capture else None
         self._tty = QuietTty.open() if self._capture else None  # the terminal's size for `stty size`, no input
         try:

@@ -33,6 +33,16 @@ def _watch() -> None:
         spawned_rank.install_in_started_rank()
 
 
+def _whole_lines() -> None:
+    if os.environ.get("DPTUI_WHOLE_LINES") != "1":
+        return
+    try:
+        from dpengine.script.whole_lines import write_whole_lines
+    except ImportError:
+        return
+    write_whole_lines()
+
+
 def _world_size() -> int:
     try:
         return int(os.environ.get("WORLD_SIZE", "1"))
@@ -49,5 +59,6 @@ def _chain() -> None:
         spec.loader.exec_module(module)
 
 
+_whole_lines()
 _watch()
 _chain()
