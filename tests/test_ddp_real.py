@@ -116,16 +116,19 @@ def test_two_nodes_on_loopback_node_0_shows_both_ranks():
     assert verdicts(events)[:1] == [(1, "forward")]
 
 
-FSDP_SCRIPT = str(Path(__file__).parent / "fixtures" / "ranks" / "fsdp_no_ddp.py")
+FSDP_SCRIPT = str(Path(__file__).parent / "fixtures" / "ranks" / "fsdp2_example.py")
 
 
-@pytest.mark.parametrize("flag, said", [
-    ((), "the script built no torch.nn.parallel.DistributedDataParallel, so dptui recorded no step"),
-    (("--ddp-eval-only",), "the script built a DistributedDataParallel but trained no step through it")])
-def test_a_script_that_trains_no_ddp_step_runs_as_under_torchrun_and_dptui_says_why_it_recorded_none(flag, said):
+@pytest.mark.parametrize("flags, said", [
+    ((), None),
+    (("--allreduce-itself",), "the script built no torch.nn.parallel.DistributedDataParallel nor FSDP, so dptui "
+                              "recorded no step"),
+    (("--allreduce-itself", "--ddp-eval-only"), "the script built a DistributedDataParallel or FSDP but trained "
+                                                "no step through it")])
+def test_the_fsdp2_example_is_recorded_and_a_script_training_no_ddp_step_is_told_why_none_is(flags, said):
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # so that torchrun warns
     done = subprocess.run([*DPTUI, "--nproc-per-node", "2", "--headless", "--json", "--no-telemetry", FSDP_SCRIPT,
-                           *flag], capture_output=True, text=True, timeout=TIMEOUT, env=env)
+                           *flags], capture_output=True, text=True, timeout=TIMEOUT, env=env)
     assert done.returncode == 0, done.stderr
     events = json_events(done.stdout)
     # torchrun's own lines as the torchrun command prints them (they were bare under python -m).
@@ -134,9 +137,14 @@ def test_a_script_that_trains_no_ddp_step_runs_as_under_torchrun_and_dptui_says_
                for line in torchrun_says), torchrun_says
     printed = {(o["rank"], o["line"]) for o in of_type(events, "output") if o.get("rank") is not None}
     assert printed >= {(r, f"rank {r} step {s} done") for r in range(2) for s in range(3)}
-    assert not of_type(events, "rank_step")
     notices = [n["text"] for n in of_type(events, "notice")]
-    assert [n for n in notices if said in n] and len([n for n in notices if "recorded no step" in n]) == 1, notices
+    if said is None:  # FSDP2 (fully_shard) recorded nothing before
+        assert sorted((s["rank"], s["step"]) for s in of_type(events, "rank_step")) == [
+            (r, s) for r in range(2) for s in range(3)]
+        assert not notices, notices
+    else:
+        assert not of_type(events, "rank_step")
+        assert [n for n in notices if said in n] and len([n for n in notices if "recorded no step" in n]) == 1, notices
 
 
 def test_a_rank_killed_before_a_restart_is_named_as_killed_and_the_next_generation_starts(tmp_path):

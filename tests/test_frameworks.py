@@ -92,3 +92,22 @@ def test_accelerate_launch_under_dptui_does_as_without_it():
         "rank 0 done: 6 steps", "rank 1 done: 6 steps"]
     ended = of_type(json_events(watched.stdout), "rank_ended")
     assert sorted((e["rank"], e["exit_code"], e["script_finished"]) for e in ended) == [(0, 0, True), (1, 0, True)]
+
+
+FSDP = str(FRAMEWORKS / "fsdp_loop.py")
+
+
+@pytest.mark.parametrize(("kind", "phase"), [("fsdp2", "none"), ("fsdp2", "data"), ("fsdp2", "forward"),
+                                             ("fsdp2", "backward"), ("fsdp1", "none"), ("fsdp1", "data"),
+                                             ("fsdp1", "backward")])
+def test_fsdp_steps_every_rank_with_its_collective_wait_and_the_right_verdict(kind, phase):
+    # FSDP's all-gathers and reduce-scatters: nothing was recorded (no DDP), and a rank waiting on a
+    # late one in its forward's all-gather would have been blamed for forward.
+    done = dptui_run("torchrun", FSDP, kind, phase, "22")
+    assert done.returncode == 0, done.stderr
+    events = json_events(done.stdout)
+    assert_steps_phases_and_verdict(events, 22, phase)
+    assert not of_type(events, "notice"), of_type(events, "notice")
+    if phase != "none":  # the rank on time waits the slow one's 50 ms in FSDP's collectives
+        late = [s for s in of_type(events, "rank_step") if s["rank"] == 0 and s["step"] >= 4]
+        assert sorted(s["comm_wait_ms"] for s in late)[len(late) // 2] > 40, late

@@ -178,3 +178,31 @@ def test_an_lbfgs_closure_called_several_times_is_one_step(steps, clock, sent):
     for step in sent:
         phases = step.data_ms + step.forward_ms + step.backward_ms + step.comm_wait_ms + step.optimizer_ms
         assert phases == pytest.approx(step.total_ms)
+
+
+def test_fsdp_collectives_in_forward_and_backward_are_comm_wait_not_those_phases(steps, clock, sent):
+    micro_batch(steps, clock)
+    optimizer_step(steps, clock)
+    clock.now += 0.030  # data
+    steps.forward_begins(8, synced=True)
+    assert steps.collective_begins()  # the all-gather of the first layer: the other rank is late
+    clock.now += 0.040
+    assert not steps.collective_begins()  # its wait, inside it: timed once
+    steps.collective_ends()
+    clock.now += 0.010
+    steps.forward_ends()
+    steps.backward_begins(torch.tensor(1.0))
+    clock.now += 0.020
+    assert steps.in_backward and steps.collective_begins()  # reduce-scatter
+    clock.now += 0.005
+    steps.collective_ends()
+    steps.backward_ends()
+    assert not steps.collective_begins()  # between backward and the update: no phase of FSDP's
+    steps.collective_ends()
+    optimizer_step(steps, clock)
+    steps.finish()
+    _, step = sent
+    assert step.data_ms == pytest.approx(30) and step.forward_ms == pytest.approx(10)
+    assert step.comm_wait_ms == pytest.approx(45) and step.backward_ms == pytest.approx(20)
+    assert step.total_ms == pytest.approx(110) and step.other_ms == pytest.approx(0)
+    assert step.comm_wait_start_ms == pytest.approx(30) and step.allreduce_end_ms == pytest.approx(105)

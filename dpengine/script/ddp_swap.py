@@ -23,6 +23,7 @@ import torch
 import torch.nn.parallel.distributed as torch_distributed
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
+from . import fsdp_swap
 from .step_phases import CudaClock, HostClock, RankSteps, samples_of
 
 TorchDDP = torch_distributed.DistributedDataParallel
@@ -141,18 +142,25 @@ def timed_allreduce(steps: RankSteps, bucket):
 
 
 def _rank_steps(ddp: TorchDDP) -> None:
-    """The first DDP of the process chooses the clock: CUDA events for a module on a GPU."""
+    if ddp.device_type == "cuda":
+        # DDP keeps device_ids as indices; None for a module it leaves where it is.
+        ensure_steps(torch.device("cuda", torch.cuda.current_device() if not ddp.device_ids else ddp.device_ids[0]))
+    else:
+        ensure_steps(torch.device("cpu"))
+
+
+def ensure_steps(device: torch.device) -> RankSteps | None:
+    """The rank's phase clock: the first DDP or FSDP of the process chooses it, CUDA events for a
+    module on a GPU."""
     global _steps
     with _lock:
-        if _steps is not None or _make_steps is None:
-            return
-        if ddp.device_type == "cuda":
-            # DDP keeps device_ids as indices; None for a module it leaves where it is.
-            index = torch.cuda.current_device() if not ddp.device_ids else ddp.device_ids[0]
-            clock = CudaClock(torch.device("cuda", index))
-        else:
-            clock = HostClock()
-        _steps = _make_steps(clock)
+        if _steps is None and _make_steps is not None:
+            if device.type == "cuda":
+                index = torch.cuda.current_device() if device.index is None else device.index
+                _steps = _make_steps(CudaClock(torch.device("cuda", index)))
+            else:
+                _steps = _make_steps(HostClock())
+        return _steps
 
 
 def say_once(text: str) -> None:
@@ -174,9 +182,10 @@ def forget_steps() -> None:
 
 
 def install(make_steps: Callable[[HostClock | CudaClock], RankSteps], notice: Callable[[str], None]) -> None:
-    """Bind torch's names to the recording class; `make_steps(clock)` gives the rank's phase clock at the
-    first DDP built (its listener is the caller's to register)."""
+    """Bind torch's names to the recording class and time FSDP (fsdp_swap.py); `make_steps(clock)` gives
+    the rank's phase clock at the first DDP or FSDP built (its listener is the caller's to register)."""
     global _make_steps, _notice
     _make_steps, _notice = make_steps, notice
     torch_distributed.DistributedDataParallel = DistributedDataParallel
     torch.nn.parallel.DistributedDataParallel = DistributedDataParallel
+    fsdp_swap.install(ensure_steps, current_steps)

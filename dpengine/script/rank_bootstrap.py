@@ -25,10 +25,11 @@ USAGE = ("dpengine.script.rank_bootstrap runs on the ranks that `dptui run --npr
          "starts through torchrun; run that instead")
 
 # What an empty run means, said when a rank's script ended well without a step recorded.
-NO_DDP = ("the script built no torch.nn.parallel.DistributedDataParallel, so dptui recorded no step: it records "
-          "DDP's optimizer steps, not FSDP's (fully_shard) nor gradients the script all-reduces itself")
-NO_STEP = ("the script built a DistributedDataParallel but trained no step through it (a forward with gradients "
-           "enabled, then backward or optimizer.step), so dptui recorded no step")
+NO_DDP = ("the script built no torch.nn.parallel.DistributedDataParallel nor FSDP, so dptui recorded no step: it "
+          "records the optimizer steps of DDP and FSDP (fully_shard, FullyShardedDataParallel), not gradients the "
+          "script all-reduces itself")
+NO_STEP = ("the script built a DistributedDataParallel or FSDP but trained no step through it (a forward with "
+           "gradients enabled, then backward or optimizer.step), so dptui recorded no step")
 
 
 def main() -> None:

@@ -101,6 +101,8 @@ class _Step:
     backwards: list[_Backward] = field(default_factory=list)
     optimizers: list[tuple[Any, Any]] = field(default_factory=list)
     in_closure: list[tuple[Any, Any]] = field(default_factory=list)  # forwards, backwards inside optimizer.step
+    # FSDP's collectives and their waits inside a forward or a backward: comm_wait, not that phase.
+    collectives: list[tuple[Any, Any, str]] = field(default_factory=list)
     losses: list[LossReading | None] = field(default_factory=list)  # per micro-batch
     samples: int = 0
     synced: bool = True  # the last forward's backward all-reduces (not under no_sync())
@@ -136,8 +138,13 @@ class RankSteps:
         self._forward_start: Any = None
         self._optimizer_start: Any = None
         self._closure_step: _Step | None = None  # the step the open optimizer.step's closure is running
+        self._collective: tuple[Any, str] | None = None  # the open FSDP collective's start and phase
         self._unsent: list[_Step] = []  # finished, waiting for their CUDA events
         self._lock = threading.Lock()
+
+    @property
+    def in_backward(self) -> bool:
+        return self._backward is not None
 
     @property
     def started(self) -> int:
@@ -193,6 +200,25 @@ class RankSteps:
         backward = self._backward
         if last and backward is not None:
             backward.last_done = self.clock.mark()
+
+    # -- FSDP's collectives (fsdp_swap.py) ------------------------------------------------
+
+    def collective_begins(self) -> bool:
+        """A collective (or its wait) begins; True if it is timed: it is in a step's forward or
+        backward, and no other is open (FSDP calls one inside another)."""
+        if self._step is None or self._collective is not None:
+            return False
+        phase = "backward" if self._backward is not None else "forward" if self._forward_start is not None else None
+        if phase is None:
+            return False
+        self._collective = (self.clock.mark(), phase)
+        return True
+
+    def collective_ends(self) -> None:
+        step, opened = self._step, self._collective
+        self._collective = None
+        if step is not None and opened is not None:
+            step.collectives.append((opened[0], self.clock.mark(), opened[1]))
 
     # -- training_hooks listener ---------------------------------------------------------
 
@@ -265,9 +291,14 @@ class RankSteps:
         first = step.forwards[0][0] if step.forwards else step.end
         data = ms(start, first)
         forward = sum(ms(a, b) for a, b in step.forwards)
-        comm_wait = sum(ms(b.last_ready, b.last_done) for b in step.backwards
-                        if b.last_ready is not None and b.last_done is not None)
-        backward = sum(ms(b.start, b.end) for b in step.backwards) - comm_wait
+        bucket_wait = sum(ms(b.last_ready, b.last_done) for b in step.backwards
+                          if b.last_ready is not None and b.last_done is not None)
+        collective = {"forward": 0.0, "backward": 0.0}
+        for begun, ended, phase in step.collectives:
+            collective[phase] += ms(begun, ended)
+        forward -= collective["forward"]
+        comm_wait = bucket_wait + collective["forward"] + collective["backward"]
+        backward = sum(ms(b.start, b.end) for b in step.backwards) - bucket_wait - collective["backward"]
         optimizer = sum(ms(a, b) for a, b in step.optimizers)
         optimizer_start = step.optimizers[0][0] if step.optimizers else None
         if step.in_closure and step.optimizers:
@@ -282,10 +313,12 @@ class RankSteps:
 
         waits = [b.last_ready for b in step.backwards if b.last_ready is not None and b.last_done is not None]
         dones = [b.last_done for b in step.backwards if b.last_done is not None]
+        if step.collectives:  # FSDP: the first collective, and the last one every rank leaves together
+            waits, dones = [step.collectives[0][0]], [step.collectives[-1][1]]
         memory, peak = step.memory
         return RankStepFinished(
             rank=self.rank, step=step.number,
-            data_ms=data, forward_ms=forward, backward_ms=max(backward, 0.0), comm_wait_ms=comm_wait,
+            data_ms=data, forward_ms=max(forward, 0.0), backward_ms=max(backward, 0.0), comm_wait_ms=comm_wait,
             optimizer_ms=max(optimizer, 0.0), other_ms=max(total - data - forward - backward - comm_wait - optimizer, 0.0),
             total_ms=total, loss=_loss_value(step.losses), samples=step.samples,
             micro_batches=len(step.forwards), memory_bytes=memory, peak_memory_bytes=peak,
@@ -301,6 +334,7 @@ class RankSteps:
 def _marks(step: _Step) -> list[Any]:
     marks = [step.start, step.end, *(m for pair in step.forwards + step.optimizers for m in pair)]
     marks += [m for b in step.backwards for m in (b.start, b.end, b.last_ready, b.last_done) if m is not None]
+    marks += [m for begun, ended, _ in step.collectives for m in (begun, ended)]
     return marks
 
 
