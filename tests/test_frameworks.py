@@ -111,3 +111,18 @@ def test_fsdp_steps_every_rank_with_its_collective_wait_and_the_right_verdict(ki
     if phase != "none":  # the rank on time waits the slow one's 50 ms in FSDP's collectives
         late = [s for s in of_type(events, "rank_step") if s["rank"] == 0 and s["step"] >= 4]
         assert sorted(s["comm_wait_ms"] for s in late)[len(late) // 2] > 40, late
+
+
+HF_TRAINER = str(FRAMEWORKS / "hf_trainer.py")
+
+
+@pytest.mark.parametrize("phase", ["none", "data", "forward"])
+def test_hf_trainer_with_accumulation_steps_its_optimizer_steps_of_two_micro_batches(phase, tmp_path):
+    done = dptui_run("torchrun", HF_TRAINER, phase, "22", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    events = json_events(done.stdout)
+    assert_steps_phases_and_verdict(events, 22, phase)
+    assert {(s["micro_batches"], s["samples"]) for s in of_type(events, "rank_step")} == {(2, 16)}
+    assert [line for line in script_lines(events) if line.startswith("rank")] == [
+        "rank 0 done: 22 steps", "rank 1 done: 22 steps"]
+    assert not of_type(events, "notice"), of_type(events, "notice")
