@@ -56,7 +56,7 @@ def _connect() -> None:
     install(link)
     # The steps reset the CUDA allocator's peak; the script's own max_memory_allocated() must not see it.
     keep_users_view()
-    atexit.register(link.flush)  # last: after the steps' own flush (registered at the first step)
+    atexit.register(link.close)  # last: after the steps' own flush (registered at the first step)
     atexit.register(release_steps)  # first (atexit runs last in first): the held steps, then the flush
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from ..eventlog.events import StepFinished, to_json_dict
 from ..records import StepRecord
-from .sender import QueuedSender, dumps
+from .sender import ChannelFd, QueuedSender, cut_by_the_script, dumps
 
 MAX_QUEUED_STEPS = 32_768  # a few seconds of the fastest scripts; about 1 KiB each
 
@@ -31,8 +31,8 @@ class ParentLink(QueuedSender):
     ) -> None:
         super().__init__("dptui-run-sender")
         self.devices = devices  # what device_ids=None means in this run
-        self._events_fd = events_fd
-        self._control_fd = control_fd
+        self._events = ChannelFd(events_fd)
+        self._control = ChannelFd(control_fd)
         self._posted: dict[str, int] = {}  # steps posted per instance: the `step` number each is sent with
         self._started = time.monotonic()
         self._last_finished: dict[str, float] = {}
@@ -88,8 +88,16 @@ class ParentLink(QueuedSender):
 
     # -- the sender ------------------------------------------------------------------
 
+    def close(self) -> None:
+        """At the script's end, last: `closed` tells dptui the link lasted to the end (without it, the
+        script cut it or left without Python's exit)."""
+        self.post({"type": "closed"})
+        self.flush()
+
     def _write(self, data: bytes) -> None:
-        _write_all(self._events_fd, data)
+        if not self._events.intact():
+            raise cut_by_the_script()
+        _write_all(self._events.fd, data)
 
     def _lines(self, items: list, dropped: dict[str, int]) -> list[str]:
         lines = [dumps(item) if isinstance(item, dict) else self._step_line(*item) for item in items]
@@ -130,13 +138,17 @@ class ParentLink(QueuedSender):
 
     def _control_loop(self) -> None:
         # Its EOF means dptui is gone: the keeper (keeper.py), not this thread, ends the group.
-        with os.fdopen(self._control_fd, "rb", buffering=0) as pipe:
-            buffer = b""
-            while chunk := pipe.read(4096):
+        buffer = b""
+        try:
+            while self._control.intact() and (chunk := os.read(self._control.fd, 4096)):
                 buffer += chunk
                 *lines, buffer = buffer.split(b"\n")
                 for line in lines:
                     self._apply(json.loads(line))
+        except OSError:
+            return  # closed by the script (its number is no longer ours to close)
+        if self._control.intact():
+            os.close(self._control.fd)
 
     def _apply(self, message: dict[str, Any]) -> None:
         op = message.get("op")

@@ -17,7 +17,7 @@ import threading
 from typing import Any
 
 from ..eventlog.events import RankStepFinished, to_json_dict
-from .sender import QueuedSender, dumps
+from .sender import ChannelFd, QueuedSender, cut_by_the_script, dumps
 
 MAX_QUEUED_STEPS = 32_768  # far more than dptui falls behind in practice; about 600 bytes each
 CONNECT_TIMEOUT_S = 30.0
@@ -28,6 +28,7 @@ class RankLink(QueuedSender):
         super().__init__("dptui-rank-sender")
         self.rank = rank
         self._sock = sock
+        self._sock_fd = ChannelFd(sock.fileno())
         self._pause_at: int | None = None  # pause before this step begins
         self._began = -1  # the step this rank is in
         self._pausing = threading.Condition()  # over _pause_at and _began: late or not is one decision
@@ -77,7 +78,17 @@ class RankLink(QueuedSender):
     # -- the sender thread ---------------------------------------------------------------
 
     def _write(self, data: bytes) -> None:
+        if not self._sock_fd.intact():
+            self._let_go()
+            raise cut_by_the_script()
         self._sock.sendall(data)
+
+    def _let_go(self) -> None:
+        """The script closed the socket's fd: the number may be a file of its own now, never ours to close."""
+        try:
+            self._sock.detach()
+        except OSError:
+            pass
 
     def _lines(self, items: list, dropped: dict[int, int]) -> list[str]:
         lines = [dumps(item if isinstance(item, dict) else to_json_dict(item)) for item in items]
@@ -89,7 +100,7 @@ class RankLink(QueuedSender):
     def _control_loop(self) -> None:
         buffer = b""
         try:
-            while chunk := self._sock.recv(4096):
+            while self._sock_fd.intact() and (chunk := self._sock.recv(4096)):
                 buffer += chunk
                 *lines, buffer = buffer.split(b"\n")
                 for line in lines:
@@ -97,6 +108,8 @@ class RankLink(QueuedSender):
                         self._apply(json.loads(line))
         except (OSError, ValueError):
             pass
+        if not self._sock_fd.intact():
+            self._let_go()
         # EOF: dptui is gone. Train on, unrecorded; never stay paused for a dptui that cannot resume.
         with self._cond:
             self._broken = True

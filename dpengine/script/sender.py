@@ -9,6 +9,7 @@ subclass's `_lines` says how many. Used by `link.ParentLink` (a DataParallel scr
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import threading
@@ -22,6 +23,31 @@ SEND_AT_ONCE = 512  # items per write: the queue's lock is never held for long
 # the GIL from the training thread each time (bench 10: +8.5% on a 29 ms DDP step, +2.1% batched).
 GATHER_S = 0.05
 FLUSH_AT_EXIT_S = 2.0
+
+
+class ChannelFd:
+    """A side channel's fd and what it was opened on. A script may close fds it did not open (daemon
+    code's `os.closerange(3, ...)`), and the next file it opens gets the number: dptui's channel must
+    then neither write to it nor read from it, nor close it."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._opened_on = _opened_on(fd)
+
+    def intact(self) -> bool:
+        return self._opened_on is not None and _opened_on(self.fd) == self._opened_on
+
+
+def _opened_on(fd: int) -> tuple[int, int] | None:
+    try:
+        stat = os.fstat(fd)
+    except OSError:
+        return None
+    return stat.st_dev, stat.st_ino
+
+
+def cut_by_the_script() -> OSError:
+    return OSError(errno.EBADF, "the script closed dptui's side channel")
 
 
 def dumps(message: dict[str, Any]) -> str:

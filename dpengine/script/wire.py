@@ -13,6 +13,8 @@ Child -> dptui, one JSON object per line (steps use the `step` form of dpengine.
   {"type": "config", "instance": KEY, "devices": [...], "step": N, "request": R}
   {"type": "used", "what": "torch.nn.parallel.DistributedDataParallel"}   once: the script built
       a class this process does not record (unrecorded.py); dptui says so when it ends
+  {"type": "closed"}   last, at the script's exit: the link lasted to its end (a script that closes
+      fds it did not open, os.closerange(3, ...), or leaves by os._exit, never sends it)
   {"type": "notice", "text": TEXT}   once each: what dptui did differently from torch (gpu_ids.py:
       GPU ids run on virtual devices); dptui says it when the script ends
 KEY is the instance's label (dpengine.script.instances): `DataParallel(Net, 1.2k params)@train.py:42`.

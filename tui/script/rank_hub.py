@@ -340,6 +340,16 @@ class RankHub:
             self.notice(f"{said} never reached dptui (a process dptui does not watch, or one whose link to dptui "
                         "was cut)", key=f"missing ranks {gen.number}")
 
+    def _say_cut(self, gen: Generation) -> None:
+        """Ranks that ended well but never said how their script ended: their link did not last."""
+        cut = sorted(r for r in gen.joined if r not in gen.finished and r not in gen.failed)
+        if cut:
+            who = (f"rank {cut[0]}'s link to dptui was" if len(cut) == 1
+                   else f"the links of ranks {', '.join(map(str, cut))} to dptui were")
+            self.notice(f"{who} cut before the script ended: the script closed the link's socket (code "
+                        "that closes every fd above 2, os.closerange(3, ...), does) or left without Python's exit "
+                        "(os._exit); what it did after was not recorded", key=f"cut ranks {gen.number}")
+
     def _on_state(self, gen: Generation, rank: int, body: dict[str, Any]) -> None:
         state = body.get("state")
         if state == "late":
@@ -420,6 +430,8 @@ class RankHub:
             gen = self.gen
             if gen.joined:
                 self._say_missing(gen)
+                if launcher_code == 0 and stopped_by is None:
+                    self._say_cut(gen)
             if not gen.started and gen.joined:
                 self._start_generation(gen)  # a rank never said hello: show those that did
             for rank in sorted(set(gen.joined) | {f.rank for f in record.failures}):

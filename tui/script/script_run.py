@@ -39,7 +39,7 @@ from dpengine.script import whole_lines, wire
 from . import spawner
 from .events import DataParallelSeen, ScriptExited, ScriptNotice, ScriptOutput, ScriptStarted, StepsDropped
 from .failure_record import FailureRecord
-from .notices import end_notices
+from .notices import end_notices, link_cut
 from .output_lines import OutputLines, read_lines
 from .quiet_tty import QuietTty
 from .rank_hub import RankHub
@@ -101,6 +101,7 @@ class ScriptRun(Publisher):
         self._shown: str | None = None  # the DataParallel whose steps the panels show
         self._devices: tuple[str, ...] = ()
         self._seen: dict[str, tuple[str, ...]] = {}
+        self._link_closed = False  # the child said its link lasted to its end (wire `closed`)
         self._threads: dict[str, dict[str, int]] = {}  # per instance: device -> native thread id
         self._stepped: set[str] = set()  # instances with a step recorded
         self._used: list[str] = []  # classes the child built and does not record (wire `used`)
@@ -328,6 +329,8 @@ class ScriptRun(Publisher):
             self._publish(ConfigChanged(batch, self._devices, int(body["step"]), body.get("request")))
         elif kind == "dropped":
             self._publish(StepsDropped(instance, int(body["steps"])))
+        elif kind == "closed":
+            self._link_closed = True
 
     def _on_step(self, body: dict[str, Any]) -> None:
         """Every instance's steps go out (the log and --json keep them all); the panels take the shown one's."""
@@ -370,7 +373,9 @@ class ScriptRun(Publisher):
         completed = code == 0 and not self._stopping
         for text in self._child_notices:
             self._publish(ScriptNotice(text))
-        if self._seen or not self._ranks.joined:  # ranks it spawned were watched: no "built no DataParallel"
+        if completed and not self._link_closed:
+            self._publish(ScriptNotice(link_cut(self._steps)))
+        elif self._seen or not self._ranks.joined:  # ranks it spawned were watched: no "built no DataParallel"
             for text in end_notices(list(self._seen), self._stepped, self._used, gpus, completed):
                 self._publish(ScriptNotice(text))
         self._publish(ScriptExited(code, signame))
