@@ -42,6 +42,10 @@ _set = object.__setattr__
 # module-level functions called inside it (dpengine.functional): they record into its step.
 _running = threading.local()
 
+# Steps kept open for a backward that comes after later forwards (two forwards, then one backward
+# over both); past this many, the oldest is sealed without one (a forward whose backward never comes).
+MAX_OPEN_STEPS = 4
+
 
 def running_forward() -> tuple[DataParallel, _ForwardState] | None:
     """The DataParallel whose forward runs on this thread, with its forward's state; None outside one."""
@@ -109,14 +113,14 @@ class DataParallel(nn.Module):
         self._step = 0
         self._subscribers: list[StepCallback] = []
         self._record_lock = threading.Lock()
-        self._pending: _PendingStep | None = None  # the newest step, while its backward may still come
+        # The newest steps, oldest first, while their backward may still come (MAX_OPEN_STEPS at most).
+        self._open: collections.deque[_PendingStep] = collections.deque()
         # Steps that will take no more, oldest first, until their spans are done (CUDA: events).
         self._completing: collections.deque[_PendingStep] = collections.deque()
         self._publish_lock = threading.RLock()  # one publisher at a time, in step order
         self._last_step: StepRecord | None = None
         self._saved_bytes = SavedBytesCache()
         self._plan: ReplicationPlan | None = None
-        self._forward_state: _ForwardState | None = None  # the forward in progress, for the four step methods
 
     # -- copy and pickle: the module's state, never the runtime -------------------------
 
@@ -235,12 +239,19 @@ class DataParallel(nn.Module):
         return lambda: self._subscribers.remove(callback) if callback in self._subscribers else None
 
     @property
+    def _forward_state(self) -> _ForwardState | None:
+        """This thread's forward of this object in progress, for the four step methods: each thread
+        that calls the same DataParallel at once has its own."""
+        running = getattr(_running, "forward", None)
+        return running[1] if running is not None and running[0] is self else None
+
+    @property
     def last_step(self) -> StepRecord | None:
         """The newest step's record (its backward times once its backward has run; on CUDA once
         the device has run it: reading this never waits for the device)."""
         self.finish_completed()
         with self._record_lock:
-            newest = self._pending or (self._completing[-1] if self._completing else None)
+            newest = self._open[-1] if self._open else self._completing[-1] if self._completing else None
         if newest is not None and newest.ready(with_backward=False):
             return newest.build(with_backward=False)  # its forward's half, while the rest is to come
         return self._last_step
@@ -254,9 +265,9 @@ class DataParallel(nn.Module):
         # torch's functional form does): publish it, as the next forward would. On CUDA the
         # watcher holds this object until the step's events have completed.
         state = self.__dict__
-        if state.get("_pending") is not None or state.get("_completing"):
+        if state.get("_open") or state.get("_completing"):
             try:
-                self._flush_pending()
+                self.flush_steps(wait=False)
             except Exception:  # noqa: BLE001 - at interpreter shutdown there is nothing left to publish to
                 pass
 
@@ -273,7 +284,7 @@ class DataParallel(nn.Module):
             return _forward_uncompiled(self, *inputs, **kwargs)
         if not self.devices:
             return self.module(*inputs, **kwargs)
-        self._flush_pending()
+        self.finish_completed()
         state = _ForwardState(time.perf_counter())
         if self.recording:
             self._start_clock(state)
@@ -283,7 +294,6 @@ class DataParallel(nn.Module):
             outer.base_ran = True  # an override called this: the step is recorded here
         running = getattr(_running, "forward", None)
         _running.forward = (self, state)
-        _set(self, "_forward_state", state)
         try:
             args, kwargs_list = self.scatter(inputs, kwargs, self.device_ids)
             state.mark()  # scattered
@@ -303,7 +313,6 @@ class DataParallel(nn.Module):
             state.mark()  # gathered
         finally:
             _running.forward = running
-            _set(self, "_forward_state", None)
         if state.pending is not None:
             self._record_forward(state, (inputs, kwargs), args, kwargs_list, outputs, output)
         return output
@@ -433,18 +442,16 @@ class DataParallel(nn.Module):
         running = getattr(_running, "forward", None)
         if not self.devices or (running is not None and running[0] is self):
             return forward(self, *inputs, **kwargs)  # nothing to split, or an override's super().forward()
-        self._flush_pending()
+        self.finish_completed()
         state = _ForwardState(time.perf_counter())
         state.by_pieces = True
         if self.recording:
             self._start_clock(state)
         _running.forward = (self, state)
-        _set(self, "_forward_state", state)
         try:
             output = forward(self, *inputs, **kwargs)
         finally:
             _running.forward = running
-            _set(self, "_forward_state", None)
         if not state.base_ran and self.recording:
             self._record_pieces(state, inputs, kwargs, output)
         return output
@@ -486,13 +493,15 @@ class DataParallel(nn.Module):
         """Number the step; each replica's device slot; when recording, its probes and pending record."""
         slots = state.slots if state.slots is not None and len(state.slots) == len(args) else (
             self._slots_of(args, kwargs_list))
-        _set(self, "_step", self._step + 1)
+        with self._record_lock:  # forwards of several threads at once each get a number
+            _set(self, "_step", self._step + 1)
+            number = self._step
         if self.recording:
             probes = state.probes = [
                 ReplicaProbe(i, self.devices[s], device_name(self.devices[s]), self.dim, reset_peak=False)
                 for i, s in enumerate(slots)
             ]
-            pending = state.pending = _PendingStep(self, self._step, probes, state)
+            pending = state.pending = _PendingStep(self, number, probes, state)
             pending.split, pending.slots = self._split, slots
         return slots
 
@@ -606,38 +615,45 @@ class DataParallel(nn.Module):
 
     def _begin(self, pending: _PendingStep) -> None:
         expected = sum(1 for p in pending.probes if p.backward is not None)
-        with self._record_lock:
-            _set(self, "_pending", pending)
-        _at_exit.track(self)
-        if expected == 0:
-            self._seal(pending)
-        else:
+        if expected:
             pending.countdown.expect(expected)
+        else:
+            pending.settled = True  # no backward to wait for (no_grad, nothing requires grad)
+        with self._record_lock:
+            self._open.append(pending)
+            while len(self._open) > MAX_OPEN_STEPS:
+                self._seal(self._open.popleft())  # its backward is not coming (or came too late to wait for)
+        _at_exit.track(self)
+        self._seal_settled()
 
     def _on_backward_done(self, pending: _PendingStep) -> None:
-        pending.backward_done = True
-        self._seal(pending)
+        pending.backward_done = pending.settled = True
+        # Older steps whose backward has not run by the end of this backward pass get none: sealed then.
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(partial(self._backward_pass_ended, pending.step))
+        except RuntimeError:  # not inside the engine's pass (a replica's backward run by hand)
+            self._backward_pass_ended(pending.step)
 
-    def _flush_pending(self) -> None:
-        """At a forward's start: the step before takes no more (its backward has run, or never will)."""
+    def _backward_pass_ended(self, step: int) -> None:
         with self._record_lock:
-            pending = self._pending
-        if pending is not None:
-            self._seal(pending)
-        elif self._completing:
-            self.finish_completed()
+            for pending in self._open:
+                if pending.step <= step:
+                    pending.settled = True
+        self._seal_settled()
 
-    def _seal(self, pending: _PendingStep) -> None:
-        """The step takes no more: it is finished once its spans are done (now on the host)."""
+    def _seal_settled(self) -> None:
+        """Seal the oldest open steps while they are settled: steps are published in order."""
         with self._record_lock:
-            if self._pending is not pending:
-                return
-            _set(self, "_pending", None)
-            pending.with_backward = pending.backward_done
-            self._completing.append(pending)
+            while self._open and self._open[0].settled:
+                self._seal(self._open.popleft())
         self.finish_completed()
         if self._completing:
             _watcher.watch(self)
+
+    def _seal(self, pending: _PendingStep) -> None:
+        """Under the record lock: the step takes no more; finished once its spans are done (on the host)."""
+        pending.with_backward = pending.backward_done
+        self._completing.append(pending)
 
     def finish_completed(self, wait: bool = False) -> None:
         """Publish the steps that take no more and whose spans are done, oldest first.
@@ -659,13 +675,14 @@ class DataParallel(nn.Module):
                     self._completing.popleft()
                 self._publish(pending)
 
-    def flush_steps(self) -> None:
+    def flush_steps(self, wait: bool = True) -> None:
         """Publish every step still open, waiting for the device if need be: for the program's end."""
         with self._record_lock:
-            pending = self._pending
-        if pending is not None:
-            self._seal(pending)
-        self.finish_completed(wait=True)
+            while self._open:
+                self._seal(self._open.popleft())
+        self.finish_completed(wait=wait)
+        if self._completing:
+            _watcher.watch(self)
 
     def _publish(self, pending: _PendingStep) -> None:
         record = pending.build(with_backward=pending.with_backward)
@@ -738,6 +755,7 @@ class _PendingStep:
         self.dim = owner.dim
         self.cuda = owner.devices[0].type == "cuda"
         self.backward_done = False
+        self.settled = False  # its backward has run, will not come, or there is none to wait for
         self.with_backward = False  # once sealed: whether the record has its backward
         self.split = owner._split
         self.slots: list[int] = []
@@ -823,8 +841,8 @@ def _rows(args: Any, kwargs: dict[str, Any], dim: int) -> int:
 
 
 # Per-process runtime (see DataParallel._start_runtime): never pickled or copied.
-_RUNTIME = ("_pool", "_step", "_subscribers", "_record_lock", "_pending", "_completing", "_publish_lock",
-            "_last_step", "_saved_bytes", "_plan", "_forward_state")
+_RUNTIME = ("_pool", "_step", "_subscribers", "_record_lock", "_open", "_completing", "_publish_lock",
+            "_last_step", "_saved_bytes", "_plan")
 # dpengine's settings beyond torch's attributes (module, dim, device_ids, output_device, src_device_obj).
 _ENGINE_CONFIG = ("devices", "_split", "_split_kind", "_balancer", "recording")
 

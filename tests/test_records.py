@@ -227,7 +227,7 @@ def test_step_counts_forwards(make_dp) -> None:
     assert dp.last_step.step == 4 and dp.last_step.backward_ms is not None
 
 
-def test_step_without_backward_is_published_at_the_next_forward(make_dp) -> None:
+def test_step_without_backward_is_published_at_the_end_of_the_next_backward(make_dp) -> None:
     dp = make_dp(nn.Linear(3, 1), cpus(2))
     got: list[StepRecord] = []
     dp.subscribe(got.append)
@@ -468,3 +468,67 @@ def test_bad_splits_raise(kwargs: dict, match: str) -> None:
     dp = DataParallel(nn.Linear(3, 2), cpus(3))
     with pytest.raises(ValueError, match=match):
         dp.set_split(**kwargs)
+
+
+# ----------------------------------------------------------------- concurrent and late backwards
+
+
+def test_every_step_of_32_threads_calling_one_instance_at_once_is_recorded(make_dp) -> None:
+    # One forward's step overwrote another's still open: 339 of 640 steps were published.
+    dp = make_dp(nn.Linear(5, 2), cpus(3))
+    got: list[StepRecord] = []
+    lock = threading.Lock()
+
+    def keep(record: StepRecord) -> None:
+        with lock:
+            got.append(record)
+
+    dp.subscribe(keep)
+    x = torch.randn(30, 5)
+    expected = dp.module(x)
+    wrong: list[str] = []
+    start = threading.Barrier(32)
+
+    def calls(thread: int) -> None:
+        start.wait()
+        for i in range(20):
+            out = dp(x)
+            if not torch.allclose(out, expected, atol=1e-6):
+                wrong.append(f"thread {thread} call {i}")
+            if i % 2:
+                out.sum().backward()
+
+    threads = [threading.Thread(target=calls, args=(t,)) for t in range(32)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    dp.flush_steps()
+    assert wrong == []
+    assert sorted(r.step for r in got) == list(range(1, 641))
+    assert all(r.batch_size == 30 and [rep.chunk_size for rep in r.replicas] == [10, 10, 10] for r in got)
+
+
+def test_a_backward_over_two_forwards_gives_both_steps_their_backward(make_dp) -> None:
+    dp = make_dp(nn.Linear(3, 1), cpus(2))
+    got: list[StepRecord] = []
+    dp.subscribe(got.append)
+    first, second = dp(torch.randn(4, 3)), dp(torch.randn(4, 3))
+    assert got == []  # the first step's backward may still come: it is not sealed at the second forward
+    (first.sum() + second.sum()).backward()
+    assert [r.step for r in got] == [1, 2]
+    assert all(r.backward_ms is not None and all(rep.backward_ms is not None for rep in r.replicas) for r in got)
+
+
+def test_forwards_whose_backward_never_comes_are_published_in_order_a_few_steps_late(make_dp) -> None:
+    from dpengine.data_parallel import MAX_OPEN_STEPS
+
+    dp = make_dp(nn.Linear(3, 1), cpus(2))
+    got: list[StepRecord] = []
+    dp.subscribe(got.append)
+    for _ in range(MAX_OPEN_STEPS + 3):
+        dp(torch.randn(4, 3))  # under grad, never backward: an evaluation without no_grad
+    assert [r.step for r in got] == [1, 2, 3] and all(r.backward_ms is None for r in got)
+    dp(torch.randn(4, 3)).sum().backward()  # the next backward pass settles every step before it
+    assert [r.step for r in got] == list(range(1, MAX_OPEN_STEPS + 5))
+    assert got[-1].backward_ms is not None and all(r.backward_ms is None for r in got[:-1])

@@ -65,6 +65,17 @@ def test_a_plain_loop_is_recorded_and_json_stdout_stays_pure():
     assert of_type(events, "script_exited") == [{"type": "script_exited", "code": 0, "signal": None}]
 
 
+def test_32_threads_calling_one_dataparallel_at_once_have_every_step_in_json():
+    # Under dptui run 313 of the 640 steps came out, and no `dropped` said why.
+    done = dptui("--headless", "--json", "--devices", "cpu:0,cpu:1,cpu:2", "--no-telemetry",
+                 script("threads_share_one.py"))
+    assert done.returncode == 0, done.stderr
+    events = json_events(done.stdout)
+    assert [o["line"] for o in of_type(events, "output")] == ["calls: 640, outputs right: 640"]
+    assert sorted(s["step"] for s in of_type(events, "step")) == list(range(1, 641))
+    assert of_type(events, "run_finished")[0]["steps"] == 640 and not of_type(events, "dropped")
+
+
 def test_headless_passes_the_scripts_output_through_and_ends_with_the_summary_dptui_view_prints(tmp_path):
     log = tmp_path / "run.jsonl"
     done = dptui("--headless", "--no-telemetry", "--log", str(log), script("plain_loop.py"), "2")
