@@ -967,6 +967,11 @@ _watcher = _CompletionWatcher()
 _at_exit = _StepsAtExit()
 
 
+def publish_held_steps() -> None:
+    """Every DataParallel's open steps, published now: what atexit does, for an exit that skips it."""
+    _at_exit.flush()
+
+
 def _notify_backward_done(owner_ref: weakref.ref, pending_ref: weakref.ref) -> None:
     owner, pending = owner_ref(), pending_ref()
     if owner is not None and pending is not None:

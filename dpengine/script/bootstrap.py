@@ -8,6 +8,7 @@ DataParallel swapped for the recording one before the program's first line.
 from __future__ import annotations
 
 import atexit
+import functools
 import io
 import os
 import pkgutil
@@ -17,6 +18,7 @@ import sys
 import traceback
 import types
 from collections.abc import Callable
+from typing import Any
 
 
 def _take_env(name: str) -> str:
@@ -58,6 +60,27 @@ def _connect() -> None:
     keep_users_view()
     atexit.register(link.close)  # last: after the steps' own flush (registered at the first step)
     atexit.register(release_steps)  # first (atexit runs last in first): the held steps, then the flush
+    _flush_at_hard_exit(lambda: (release_steps(), link.close()))
+
+
+def _flush_at_hard_exit(flush: Callable[[], Any]) -> None:
+    """os._exit skips atexit: in the script's own process it first sends what the steps hold (as
+    atexit would), then exits as asked. The script's other exit handlers stay skipped."""
+    from ..data_parallel import publish_held_steps
+
+    hard_exit, script_pid = os._exit, os.getpid()
+
+    @functools.wraps(hard_exit)
+    def _exit(status: int) -> None:
+        if os.getpid() == script_pid:  # not in a child forked from it (a DataLoader worker, a rank)
+            try:
+                publish_held_steps()
+                flush()
+            except Exception:  # noqa: BLE001 - the exit it asked for comes first
+                pass
+        hard_exit(status)
+
+    os._exit = _exit
 
 
 def run_program(argv: list[str]) -> None:
