@@ -36,9 +36,12 @@ def end_notices(built: Sequence[str], stepped: Collection[str], used: Collection
     return notices
 
 
+# How a link to dptui is cut before its script's end, said after what the script closed.
+CUT_HOW = ("(code that closes every fd above 2, os.closerange(3, ...), does) or left without Python's exit "
+           "(os._exit); what it did after was not recorded")
+
+
 def link_cut(steps: int) -> str:
     """The script ended well but its side channel to dptui did not last to its end (wire `closed`)."""
     return (f"the script's link to dptui was cut before the script ended, after {steps} recorded "
-            f"step{'' if steps == 1 else 's'}: the script closed the link's pipe (code that closes every fd above "
-            "2, os.closerange(3, ...), does) or left without Python's exit (os._exit); what it did after "
-            "was not recorded")
+            f"step{'' if steps == 1 else 's'}: the script closed the link's pipe {CUT_HOW}")

@@ -48,6 +48,7 @@ from dpengine.telemetry.rank_processes import RankProcessesSource
 from .events import ScriptNotice, StepsDropped
 from .failure_record import FailureRecord
 from .node_link import NodeLink
+from .notices import CUT_HOW
 from .rank_outcome import ExitStatus, Generation, exit_status, rank_end
 from .rank_server import Connection, RankServer
 
@@ -346,9 +347,8 @@ class RankHub:
         if cut:
             who = (f"rank {cut[0]}'s link to dptui was" if len(cut) == 1
                    else f"the links of ranks {', '.join(map(str, cut))} to dptui were")
-            self.notice(f"{who} cut before the script ended: the script closed the link's socket (code "
-                        "that closes every fd above 2, os.closerange(3, ...), does) or left without Python's exit "
-                        "(os._exit); what it did after was not recorded", key=f"cut ranks {gen.number}")
+            self.notice(f"{who} cut before the script ended: the script closed the link's socket {CUT_HOW}",
+                        key=f"cut ranks {gen.number}")
 
     def _on_state(self, gen: Generation, rank: int, body: dict[str, Any]) -> None:
         state = body.get("state")
