@@ -21,8 +21,9 @@ run: $(STAMP)
 headless: $(STAMP)
 	$(BIN)/dptui --headless --devices cpu:0,cpu:1,cpu:2 $(ARGS)
 
+# One worker per core: most tests wait on the processes they start (ranks, scripts, dptui).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n auto $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench $(BENCH_ARGS)

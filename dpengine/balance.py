@@ -3,7 +3,7 @@
 `Balancer` is pure: fed each step's chunk sizes and per-replica times, it estimates every
 device's time per row (ratio of sums over the recent steps, so a noisy step weighs little) and
 proposes weights, one per device, under which the predicted slowest replica finishes earliest.
-It adopts them only when that prediction beats the current split's by `margin` (hysteresis),
+It adopts them only when that prediction beats the current split's by `margin` and MIN_GAIN_MS (hysteresis),
 so measurement noise does not make the split oscillate, and keeps them only when the steps that
 follow measure faster too: where a replica's time does not grow with its rows (a tiny model,
 all fixed costs) per-row estimates mislead, so such a trial is undone and not retried for a while.
@@ -38,6 +38,7 @@ WARMUP_STEPS = 2  # the first steps pay for thread start-up and allocator growth
 MIN_STEPS = 3  # steps measured at the current split before deciding
 WINDOW = 8  # recent steps the per-row estimate is taken over
 MARGIN = 0.05  # a new split must be predicted this much faster than the current one
+MIN_GAIN_MS = 0.05  # and by this much: below it the gain is the clocks' jitter, not the split's
 HOLD_STEPS = 50  # after a new split that measured no faster, keep the old one this long (doubling)
 MAX_HOLD_STEPS = 1600
 LOAD_CHANGE = 0.25  # a hold ends once the current split's time per row moves this much
@@ -220,7 +221,7 @@ class Balancer:
             self._hold, self._next_hold = 0, HOLD_STEPS  # the load changed since the hold began
         current = self.predict_ms(rows, self.weights, rates)
         candidate = self._ideal_weights(rates)
-        if self.predict_ms(rows, candidate, rates) >= current * (1.0 - self.margin):
+        if self.predict_ms(rows, candidate, rates) >= min(current * (1.0 - self.margin), current - MIN_GAIN_MS):
             return self._start_probe(rows) or self._plan(rows, False, rates)
         self._trial = (self.weights, measured)
         return self._adopt(candidate, rows, rates)

@@ -1,104 +1,127 @@
-"""A step's CUDA memory: the allocator's counters, its peak reset at each step's start, the user's peak kept.
+"""A step's CUDA memory: the allocator's counters, its peaks reset at each step's start, the user's kept.
 
-The allocator has one peak per device, counted from its last reset: a step's peak needs a reset
-at the step's start (forward and backward both count). That reset would also cut short the
-user's own `torch.cuda.max_memory_allocated()`: `PeakKeeper` remembers the highest peak each
-reset took away since the user's own last reset, and `keep_users_view` (under `dptui run`) makes
-torch's `max_memory_allocated` add it back, and torch's `reset_peak_memory_stats` forget it.
-Each read is one call, `memory_stats_as_nested_dict`, not the flattened `memory_stats()` that
-`memory_allocated` and `max_memory_allocated` each rebuild in Python.
+The allocator keeps its peaks per device (allocated, reserved, active, requested bytes, segments,
+... each per pool), counted from the last reset: a step's peak needs a reset at the step's start
+(forward and backward both count). That reset would also cut short every peak the user reads:
+`PeakKeeper` remembers, per counter, the highest peak each reset took away since the user's own
+last reset, and `keep_users_view` (under `dptui run`: DataParallel scripts and DDP ranks) puts it
+back where torch reads the allocator, `torch._C._cuda_memoryStats` and the accelerator API's
+`_accelerator_getDeviceStats`, so `max_memory_allocated`, `max_memory_reserved`, `memory_stats()`,
+`memory_summary()` and `torch.accelerator.max_memory_*` all read as without dptui; and the user's
+reset (`reset_peak_memory_stats`, either API) forgets what was kept. dpengine itself reads the
+allocator through the bindings as they were, in one call per read.
 """
 
 from __future__ import annotations
 
-import functools
+import copy
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
+Stats = dict[str, Any]  # the allocator's nested counters: {"allocated_bytes": {"all": {"peak": ...}}}
+
+# The allocator's own bindings, saved before keep_users_view puts the user's view in their place.
+_ALLOCATOR_STATS: Callable[[int], Stats] | None = getattr(torch._C, "_cuda_memoryStats", None)
+_ALLOCATOR_RESET: Callable[[int], None] | None = getattr(torch._C, "_cuda_resetPeakMemoryStats", None)
+
+
+def _stats(index: int) -> Stats:
+    return _ALLOCATOR_STATS(index) if torch.cuda.is_initialized() else {}
+
 
 def allocated(device: torch.device) -> tuple[int, int]:
-    """(current, peak) bytes allocated on `device`, from one read of the allocator's counters."""
-    counters = torch.cuda.memory_stats_as_nested_dict(device).get("allocated_bytes", {}).get("all", {})
+    """(current, peak) bytes allocated on `device` since the last step reset, in one read."""
+    counters = _stats(device.index).get("allocated_bytes", {}).get("all", {})
     return counters.get("current", 0), counters.get("peak", 0)
 
 
-class PeakKeeper:
-    """The allocator's peak per device since the user's own last reset, across dpengine's resets.
+def _peaks(stats: Stats, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], int]]:
+    """Every peak counter in the nested stats, by its path: (("allocated_bytes", "all"), 1024), ..."""
+    for key, value in stats.items():
+        if isinstance(value, dict):
+            if isinstance(value.get("peak"), int):
+                yield (*path, key), value["peak"]
+            yield from _peaks(value, (*path, key))
 
-    `read_peak(index)` and `reset(index)` are the allocator's (taken as arguments so the
-    bookkeeping is checked without a GPU).
+
+class PeakKeeper:
+    """The allocator's peaks per device since the user's own last reset, across dpengine's resets.
+
+    `read_stats(index)` and `reset(index)` are the allocator's (arguments, so the bookkeeping is
+    checked without a GPU).
     """
 
-    def __init__(self, read_peak: Callable[[int], int], reset: Callable[[int], None]) -> None:
-        self._read_peak = read_peak
+    def __init__(self, read_stats: Callable[[int], Stats], reset: Callable[[int], None]) -> None:
+        self._read_stats = read_stats
         self._reset = reset
         self._lock = threading.Lock()
-        self._carried: dict[int, int] = {}  # device index -> highest peak a step reset took away
+        self._carried: dict[int, dict[tuple[str, ...], int]] = {}  # device -> peak path -> highest taken
         self.carrying = False  # only where the user's view is kept (keep_users_view): else a reset is all
 
     def step_reset(self, index: int) -> None:
-        """Start a step's peak on device `index`, keeping what the allocator held for the user."""
+        """Start a step's peaks on device `index`, keeping what the allocator held for the user."""
         if not self.carrying:
             self._reset(index)
             return
-        peak = self._read_peak(index)
+        stats = self._read_stats(index)
         with self._lock:
-            if peak > self._carried.get(index, 0):
-                self._carried[index] = peak
+            carried = self._carried.setdefault(index, {})
+            for path, peak in _peaks(stats):
+                if peak > carried.get(path, 0):
+                    carried[path] = peak
             self._reset(index)
 
-    def users_peak(self, index: int) -> int:
-        """The peak since the user's last reset, as if no step had reset it."""
+    def users_stats(self, index: int, stats: Stats | None = None) -> Stats:
+        """The allocator's counters (`stats` as read, or read now), each peak as if no step had reset it."""
+        stats = self._read_stats(index) if stats is None else stats
         with self._lock:
-            return max(self._read_peak(index), self._carried.get(index, 0))
+            carried = self._carried.get(index)
+            if not carried:
+                return stats
+            stats = copy.deepcopy(stats)
+            for path, peak in carried.items():
+                counter = stats
+                for key in path:
+                    counter = counter.get(key) if isinstance(counter, dict) else None
+                if isinstance(counter, dict) and isinstance(counter.get("peak"), int):
+                    counter["peak"] = max(counter["peak"], peak)
+            return stats
+
+    def users_peak(self, index: int) -> int:
+        return self.users_stats(index).get("allocated_bytes", {}).get("all", {}).get("peak", 0)
 
     def users_reset(self, index: int) -> None:
-        """The user reset the peak: from now on theirs starts afresh too."""
+        """The user reset the peaks: from now on theirs start afresh too."""
         with self._lock:
             self._carried.pop(index, None)
             self._reset(index)
 
 
-def _read_peak(index: int) -> int:
-    return allocated(torch.device("cuda", index))[1]
-
-
 def _reset(index: int) -> None:
-    torch._C._cuda_resetPeakMemoryStats(index)
+    _ALLOCATOR_RESET(index)
 
 
-KEEPER = PeakKeeper(_read_peak, _reset)
+KEEPER = PeakKeeper(_stats, _reset)
 
 
-def _device_index(device: object) -> int:
+def _index(device: Any) -> int:
     return torch.cuda._utils._get_device_index(device, optional=True)
 
 
 def keep_users_view() -> None:
-    """Make torch.cuda's max_memory_allocated and reset_peak_memory_stats blind to the steps' resets.
-
-    For `dptui run`, where the script's own bookkeeping must read as without dptui. torch's
-    `memory_stats()["allocated_bytes.all.peak"]` and `memory_summary()` still show the step's peak.
-    """
-    memory = torch.cuda.memory
-    if getattr(memory.max_memory_allocated, "_dpengine_kept", False):
+    """Make every peak torch reports blind to the steps' resets (idempotent); a no-op without CUDA."""
+    if _ALLOCATOR_STATS is None or KEEPER.carrying:
         return
-
-    @functools.wraps(memory.max_memory_allocated)
-    def max_memory_allocated(device=None) -> int:
-        if not torch.cuda.is_initialized():
-            return 0
-        return KEEPER.users_peak(_device_index(device))
-
-    @functools.wraps(memory.reset_peak_memory_stats)
-    def reset_peak_memory_stats(device=None) -> None:
-        KEEPER.users_reset(_device_index(device))
-
-    max_memory_allocated._dpengine_kept = True
     KEEPER.carrying = True
-    # torch.cuda re-exports memory's names, and reset_max_memory_allocated calls memory's own.
-    for namespace in (memory, torch.cuda):
-        namespace.max_memory_allocated = max_memory_allocated
-        namespace.reset_peak_memory_stats = reset_peak_memory_stats
+    torch._C._cuda_memoryStats = lambda device: KEEPER.users_stats(_index(device), _ALLOCATOR_STATS(device))
+    torch._C._cuda_resetPeakMemoryStats = lambda device: KEEPER.users_reset(_index(device))
+    accelerator = getattr(torch, "accelerator", None)
+    current = accelerator.current_accelerator() if accelerator is not None and accelerator.is_available() else None
+    device_stats = getattr(torch._C, "_accelerator_getDeviceStats", None)
+    if current is not None and current.type == "cuda" and device_stats is not None:
+        # The accelerator API reads the same CUDA allocator through its own bindings.
+        torch._C._accelerator_getDeviceStats = lambda device: KEEPER.users_stats(_index(device), device_stats(device))
+        torch._C._accelerator_resetPeakStats = lambda device: KEEPER.users_reset(_index(device))

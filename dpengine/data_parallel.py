@@ -20,10 +20,11 @@ from torch import nn
 from torch._utils import ExceptionWrapper
 
 from .balance import Balancer, BalancedSplit, describe_split
+from .cuda_memory import KEEPER as _PEAKS
+from .device_random import ReplicaRandom, replica_seeds
 from .devices import (
     DeviceLike, default_devices, device_name, parse_device, parse_output_device, resolve_devices,
 )
-from .cuda_memory import KEEPER as _PEAKS
 from .instrument import BackwardCountdown, HostSpan, ReplicaProbe, SavedBytesCache, Span, point, shapes_of, tensors_of
 from .parallel_apply import ThreadState, WorkerPool, reraise, run_in_state
 from .records import StepRecord
@@ -43,8 +44,11 @@ _set = object.__setattr__
 _running = threading.local()
 
 # Steps kept open for a backward that comes after later forwards (two forwards, then one backward
-# over both); past this many, the oldest is sealed without one (a forward whose backward never comes).
+# over both), per calling thread; past this many, that thread's oldest is settled without one (a
+# forward whose backward never comes). Past MAX_OPEN_STEPS_ALL of all threads', the oldest is sealed:
+# a thread that stopped with a step open must not hold back every later step for ever.
 MAX_OPEN_STEPS = 4
+MAX_OPEN_STEPS_ALL = 256
 
 
 def running_forward() -> tuple[DataParallel, _ForwardState] | None:
@@ -490,18 +494,16 @@ class DataParallel(nn.Module):
         return list(range(len(args)))
 
     def _start_step(self, state: _ForwardState, args: Sequence[Any], kwargs_list: Sequence[Any]) -> list[int]:
-        """Number the step; each replica's device slot; when recording, its probes and pending record."""
+        """Each replica's device slot; when recording, its probes and pending record (numbered once
+        its forward has run: a failed call takes no step number)."""
         slots = state.slots if state.slots is not None and len(state.slots) == len(args) else (
             self._slots_of(args, kwargs_list))
-        with self._record_lock:  # forwards of several threads at once each get a number
-            _set(self, "_step", self._step + 1)
-            number = self._step
         if self.recording:
             probes = state.probes = [
                 ReplicaProbe(i, self.devices[s], device_name(self.devices[s]), self.dim, reset_peak=False)
                 for i, s in enumerate(slots)
             ]
-            pending = state.pending = _PendingStep(self, number, probes, state)
+            pending = state.pending = _PendingStep(self, probes, state)
             pending.split, pending.slots = self._split, slots
         return slots
 
@@ -577,16 +579,21 @@ class DataParallel(nn.Module):
             self._saved_bytes.lookup(probes, args, kwargs_list,
                                      (state, structure_generation(), self.module.training))
         nodes = self._forward_state.share_nodes if binders is not None else None
+        plan = self._plan
+        # Virtual devices: each replica draws from a generator of its own (device_random.py).
+        seeds = (replica_seeds(len(replicas)) if self.src_device_obj.type != "cuda" and plan is not None
+                 and plan.random and self.module.training else None)
         jobs = []
         for i, (slot, replica, a, kw) in enumerate(zip(slots, replicas, args, kwargs_list)):
             device = self.devices[slot]
             stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
             bind = binders[i] if binders is not None else None
             probe = probes[i] if probes is not None else None
+            seed = seeds[i] if seeds is not None else None
             # One partial and one frame of ours around the replica: a worker runs its Python
             # while the other replicas contend for the GIL.
             jobs.append((slot, partial(run_in_state, state, device, stream, _run_in_worker,
-                                       bind, nodes, i, probe, replica, a, kw)))
+                                       bind, nodes, i, probe, seed, replica, a, kw)))
         results = self._pool.run(jobs)
         for index, result in enumerate(results):
             if isinstance(result, ExceptionWrapper):
@@ -620,9 +627,16 @@ class DataParallel(nn.Module):
         else:
             pending.settled = True  # no backward to wait for (no_grad, nothing requires grad)
         with self._record_lock:
+            # Numbered as it joins the open steps: forwards of several threads at once each get
+            # a number, in the order they are published.
+            _set(self, "_step", self._step + 1)
+            pending.step = self._step
             self._open.append(pending)
-            while len(self._open) > MAX_OPEN_STEPS:
-                self._seal(self._open.popleft())  # its backward is not coming (or came too late to wait for)
+            mine = [p for p in self._open if p.thread == pending.thread and not p.settled]
+            for older in mine[:-MAX_OPEN_STEPS]:
+                older.settled = True  # its backward is not coming (or came too late to wait for)
+            while len(self._open) > MAX_OPEN_STEPS_ALL:
+                self._seal(self._open.popleft())
         _at_exit.track(self)
         self._seal_settled()
 
@@ -630,14 +644,18 @@ class DataParallel(nn.Module):
         pending.backward_done = pending.settled = True
         # Older steps whose backward has not run by the end of this backward pass get none: sealed then.
         try:
-            torch.autograd.Variable._execution_engine.queue_callback(partial(self._backward_pass_ended, pending.step))
+            torch.autograd.Variable._execution_engine.queue_callback(partial(self._backward_pass_ended, pending))
         except RuntimeError:  # not inside the engine's pass (a replica's backward run by hand)
-            self._backward_pass_ended(pending.step)
+            self._backward_pass_ended(pending)
 
-    def _backward_pass_ended(self, step: int) -> None:
+    def _backward_pass_ended(self, ended: _PendingStep) -> None:
+        """Older steps of the same thread whose backward has not run by now get none. Another
+        thread's are left open: their backward is that thread's to call."""
         with self._record_lock:
+            for probe in ended.probes:
+                probe.read_peak_after_backward()
             for pending in self._open:
-                if pending.step <= step:
+                if pending.step <= ended.step and pending.thread == ended.thread:
                     pending.settled = True
         self._seal_settled()
 
@@ -749,8 +767,9 @@ class _ForwardState:
 class _PendingStep:
     """A step whose record waits for its backward, then (CUDA) for its events to complete."""
 
-    def __init__(self, owner: DataParallel, step: int, probes: list[ReplicaProbe], state: _ForwardState) -> None:
-        self.step = step
+    def __init__(self, owner: DataParallel, probes: list[ReplicaProbe], state: _ForwardState) -> None:
+        self.step = 0  # numbered when its forward has run (DataParallel._begin)
+        self.thread = threading.get_ident()  # the thread whose forward it is, and whose backward it awaits
         self.probes = probes
         self.dim = owner.dim
         self.cuda = owner.devices[0].type == "cuda"
@@ -892,11 +911,15 @@ _forward_uncompiled = torch._disable_dynamo(_forward_eagerly)
 
 
 def _run_in_worker(bind: Callable[[], Any] | None, nodes: list[Any] | None, index: int,
-                   probe: ReplicaProbe | None, replica: nn.Module, args: tuple,
+                   probe: ReplicaProbe | None, seed: int | None, replica: nn.Module, args: tuple,
                    kwargs: dict[str, Any]) -> Any:
-    """In the replica's worker: give it its parameter views (noting their node), then run it."""
+    """In the replica's worker: give it its parameter views (noting their node), then run it
+    (with its own random generator, seeded with `seed`, if it has one)."""
     if bind is not None:
         nodes[index] = bind()
+    if seed is not None:
+        with ReplicaRandom(seed):
+            return replica(*args, **kwargs) if probe is None else probe.measure(replica, args, kwargs)
     if probe is None:
         return replica(*args, **kwargs)
     return probe.measure(replica, args, kwargs)
@@ -932,7 +955,14 @@ class _CompletionWatcher:
                 owners = list(self._owners)
             time.sleep(self.POLL_S)
             for owner in owners:
-                owner.finish_completed()
+                first = owner.devices[0] if owner.devices else None
+                if first is not None and first.type == "cuda":
+                    # This thread's current device would be GPU 0 (a context opened there, for a
+                    # run on other GPUs): query the events from the run's own first device.
+                    with torch.cuda.device(first):
+                        owner.finish_completed()
+                else:
+                    owner.finish_completed()
                 with self._cond:  # a step sealed after this check is watched again by its _seal
                     if not owner._completing:
                         self._owners.discard(owner)

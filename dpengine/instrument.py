@@ -340,6 +340,13 @@ class ReplicaProbe:
         self._read_memory = True  # by read_memory, in the caller: it has the GIL to itself after the join
         return output
 
+    def read_peak_after_backward(self) -> None:
+        """CUDA: the device's peak again once the whole backward pass is over: on device 0 the
+        gradients' reduce runs after every replica's backward, and its memory counts too."""
+        backward = self.backward
+        if backward is not None and backward.ran and self.device.type == "cuda":
+            backward.peak_bytes = max(backward.peak_bytes or 0, cuda_memory.allocated(self.device)[1])
+
     def read_memory(self) -> None:
         """CUDA: the bytes allocated after the forward and the peak so far, in one read; in the
         caller right after the replicas' join (before the gather adds the output to its device)."""

@@ -23,14 +23,15 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.parameter import is_lazy
 from torch.nn.modules.module import (
     register_module_buffer_registration_hook,
     register_module_module_registration_hook,
     register_module_parameter_registration_hook,
 )
 from torch.nn.parallel import replicate as _cuda_replicate
+from torch.nn.parameter import is_lazy
 
+from .device_random import draws_randomness
 from .devices import DeviceLike, parse_device
 
 # Bumped whenever any module registers a parameter, buffer or submodule: a module's structure
@@ -187,6 +188,7 @@ class ReplicationPlan:
         # A lazy module not yet run: replicating it raises torch's own error (see replicate_shared).
         self.uninitialized = next((m for m in self.modules if any(
             is_lazy(t) for t in itertools.chain(m._parameters.values(), m._buffers.values()))), None)
+        self.random = draws_randomness(self.modules)  # a virtual device's replica gets its own generator
         # Whether any gradient is big enough for where it is made and summed to matter (see _bind).
         self.has_big = any(not is_lazy(p) and p.numel() >= MIN_SUMMED_ELEMENTS for p in self.params)
         index = {id(p): i for i, p in enumerate(self.params)}

@@ -84,6 +84,9 @@ def main():
         if rank == 0:
             print(f"epoch {epoch}: loss {running / total:.4f} (rank 0's share of the data)", flush=True)
 
+    # Every rank reaches the end before any closes its connections: gloo aborts a rank whose peer
+    # hangs up while its last messages are still in flight.
+    dist.barrier()
     dist.destroy_process_group()
 
 

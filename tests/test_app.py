@@ -29,7 +29,7 @@ from dpengine.run.trainer import Trainer
 from dpengine.run.workloads import Workload, builtin_workload
 from tui.app import DptuiApp
 from tui.event_text import model_lines
-from tui.screens.batch_size import BatchSizeScreen
+from tui.screens.batch_size import REFUSED_CHARACTER, BatchSizeScreen
 from tui.screens.devices import DevicesScreen
 from tui.screens.help import HelpScreen
 from tui.session import Session
@@ -198,8 +198,10 @@ def test_session_refuses_what_the_trainer_cannot_do():
     assert session.toggle_pause() == "The run is still starting."
     session.attach(trainer)
     assert session.set_batch_size(0) == "The batch size must be at least 1."
-    assert session.scale_batch_size(2) is None and session.scale_batch_size(2) is None
-    assert trainer.calls == [("set_batch_size", 60), ("set_batch_size", 120)]  # from the pending size
+    assert session.scale_batch_size(2) is None
+    # from the pending size, and no further than the 100-sample dataset
+    assert session.scale_batch_size(2) == "Batch 120 capped at 100: the dataset has 100 samples, each step all of them."
+    assert trainer.calls == [("set_batch_size", 60), ("set_batch_size", 100)]
     assert session.toggle_device(7) == "There is no device 8: 3 available."
     assert session.toggle_device(0) is None and session.toggle_device(1) is None
     assert session.toggle_device(2) == "cpu:2 is the last active device; it cannot be removed."
@@ -274,13 +276,19 @@ async def test_a_change_shows_as_pending_at_once():
         await quit_app(app)
 
 
-async def test_taking_a_device_out_leaves_two_active_panels():
+@pytest.mark.parametrize("size", [(80, 24), (120, 36)])
+async def test_taking_a_device_out_leaves_two_active_panels(size):
     app = DptuiApp(real_factory())
-    async with app.run_test():
+    async with app.run_test(size=size):
         await until(lambda: active_chunks(app) == [10, 10, 10])
         await press(app, "3")
         await until(lambda: active_chunks(app) == [15, 15], what="two panels with 15 each")
-        assert list(app.query(DevicePanel))[2].has_class("-inactive")
+        out = list(app.query(DevicePanel))[2]
+        assert out.has_class("-inactive")
+        # no step times it did not run, and what would bring it back
+        shown = [line.plain for line in body_lines(out.view, 40)]
+        assert shown[0].endswith("off: key 3 adds it") and shown[1].split() == ["fwd", "–"], shown
+        assert shown[2].split() == ["bwd", "–"], shown
         await press(app, "3")
         await until(lambda: active_chunks(app) == [10, 10, 10], what="cpu:2 back")
         await quit_app(app)
@@ -426,6 +434,8 @@ async def test_b_asks_for_a_batch_size_and_refuses_less_than_one():
         assert "≥ 1" in str(app.screen.query_one("#batch-error").content)
         await pilot.press("q")  # typed into the dialog: must not quit
         assert app.is_running and isinstance(app.screen, BatchSizeScreen)
+        # a letter does not appear, and the dialog says why (it vanished silently)
+        assert str(app.screen.query_one("#batch-error").content) == REFUSED_CHARACTER
         app.screen.query_one(Input).value = "45"
         await pilot.press("enter")
         await until(lambda: not isinstance(app.screen, BatchSizeScreen))
@@ -463,7 +473,7 @@ async def test_the_last_device_cannot_be_removed():
 
 
 KEYS = {"space", "+", "-", "b", "1-9", "r", "t", "l", "?", "q"}
-HELP_ONLY = {"d", "a", "w", "y"}  # no room in the Footer at 80 columns
+HELP_ONLY = {"d", "a", "w", "y", "h"}  # no room in the Footer at 80 columns
 
 
 async def test_footer_and_help_list_every_key_and_l_hides_the_log():
@@ -554,3 +564,114 @@ async def test_the_device_grid_reflows_with_the_terminal():
 def test_split_matches_torch_chunk():
     assert [chunk_sizes(30, 3), chunk_sizes(10, 3), chunk_sizes(60, 2)] == [[10, 10, 10], [4, 4, 2], [30, 30]]
     assert [t.shape[0] for t in torch.arange(10).chunk(3)] == chunk_sizes(10, 3)
+
+
+@pytest.mark.parametrize("size", [(80, 24), (120, 36)])
+async def test_a_batch_past_the_dataset_is_capped_and_said_so(size):
+    # `b 99999999` was taken as asked: the status bar said batch 99999999, each step ran all 100 samples.
+    app = DptuiApp(real_factory())
+    async with app.run_test(size=size):
+        await until(lambda: active_chunks(app) == [10, 10, 10])
+        await press(app, "b")
+        await until(lambda: shown(app, BatchSizeScreen))
+        field = app.screen.query_one(Input)
+        field.value = "99999999"
+        await field.action_submit()
+        # Said at once, for 8 s: looked for before the next step, which a busy machine may take longer to run.
+        await until(lambda: notices(app, "warning") == [
+            "Batch 99999999 capped at 100: the dataset has 100 samples, each step all of them."], "the notice")
+        await until(lambda: active_chunks(app) == [34, 34, 32], what="every sample in one step (torch.chunk)")
+        assert "│ batch 100 │" in status(app)
+        await quit_app(app)
+
+
+def test_auto_balance_adjustments_do_not_flood_the_log():
+    now = [0.0]
+    view = started_view(lambda: now[0])
+    view.take_log()
+    for step in range(1, 31):  # an adjustment every step, 0.1 s apart
+        now[0] += 0.1
+        view.feed(SplitChanged(step, "auto", (0.5, 0.4, 0.1) if step % 2 else (0.4, 0.5, 0.1), by_balancer=True))
+    lines = [line.text for line in view.take_log()]
+    assert len(lines) == 1, lines
+    now[0] += 10
+    view.feed(SplitChanged(31, "auto", (0.3, 0.3, 0.4), by_balancer=True))
+    (line,) = [line.text for line in view.take_log()]
+    assert line.endswith("(29 adjustments before it unsaid)"), line
+    # what the user asked for is said at once, always
+    view.feed(SplitChanged(32, "even", (), request=1))
+    assert len(view.take_log()) == 1
+
+
+def dialog_text(app) -> str:
+    """The words inside the dialog on the screen, as drawn (what is scrolled away is not)."""
+    update = app.screen._compositor.render_full_update()
+    lines = ["".join(strip.text for strip in line) for line in update.strips]
+    box = app.screen.query_one(".dialog").content_region
+    return " ".join(" ".join(line[box.x:box.right] for line in lines[box.y:box.bottom]).split())
+
+
+@pytest.mark.parametrize("size", [(80, 24), (120, 36)])
+async def test_the_help_explains_the_status_bars_even_split_guess_and_fits_the_screen(size):
+    # At 80x24 the dialog ran off the screen: its notes and the hint were never seen.
+    app, trainer = scripted_app()
+    async with app.run_test(size=size) as pilot:
+        await started(pilot, trainer)
+        await pilot.press("question_mark")
+        await until(lambda: shown(app, HelpScreen))
+        await pilot.pause()
+        assert "escape closes" in dialog_text(app)
+        await pilot.press("end")  # the keys and notes scroll where they do not fit
+        await until(lambda: "with ? the times fit the prediction badly" in dialog_text(app), "the note on the screen")
+        assert "escape closes" in dialog_text(app)
+        await pilot.press("escape")
+        await pilot.press("q")
+
+
+@pytest.mark.parametrize("size", [(80, 24), (120, 36)])
+async def test_with_the_help_open_no_chart_bar_is_drawn_in_the_logs_text(size):
+    # Reported as chart characters inside the log: what was seen there is the log's scrollbar,
+    # whose thumb ends are the same eighth blocks. Its text, beside the dialog, never gets one.
+    bars = set("▁▂▃▅▆▇")
+    app = DptuiApp(real_factory())
+    async with app.run_test(size=size) as pilot:
+        await until(lambda: app.loss_chart.render_line(1).text.strip() != "", "the charts drawn")
+        await pilot.press("question_mark")
+        await until(lambda: shown(app, HelpScreen))
+        box = app.screen.query_one(".dialog").region
+        for _ in range(10):  # redrawn as the run goes on behind the dialog
+            await pilot.pause(0.1)
+            update = app.screen._compositor.render_full_update()
+            lines = ["".join(strip.text for strip in line) for line in update.strips]
+            log = app.log_view
+            text = log.content_region
+            right = text.right - log.scrollbar_size_vertical
+            for y in range(text.y, text.bottom):
+                beside = lines[y][text.x:min(box.x, right)] + lines[y][box.right:right]
+                assert not bars & set(beside), (y, lines[y])
+        await pilot.press("escape")
+        await quit_app(app)
+
+
+@pytest.mark.parametrize("size", [(80, 24), (120, 36)])
+async def test_toasts_do_not_stack_up_the_screen(size):
+    # What the toasts show: the app's notifications.
+    from tui.app import MAX_TOASTS
+
+    app, trainer = scripted_app()
+    async with app.run_test(size=size) as pilot:
+        await started(pilot, trainer)
+        for _ in range(5):  # a key pressed again and again, refused each time
+            await press(app, "1")
+            app.notify("The same refusal.", severity="warning")
+        for n in range(6):
+            app.notify(f"notice {n}")
+        await until(lambda: "notice 5" in [n.message for n in app._notifications], "the last notice")
+        await pilot.pause()
+        messages = [n.message for n in app._notifications]
+        assert messages == [f"notice {n}" for n in range(6 - MAX_TOASTS, 6)], messages
+        app.notify("notice 5")
+        await until(lambda: [n.message for n in app._notifications][-1:] == ["notice 5"], "the repeat")
+        await pilot.pause()
+        assert [n.message for n in app._notifications].count("notice 5") == 1  # replaced, not repeated
+        await pilot.press("q")

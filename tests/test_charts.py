@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from pilot import press, quit_app, status, until
 from timeline_fixtures import dp_run, step_finished, unbalanced_step
 from ui_fakes import ScriptedTrainer, factory_of
@@ -29,12 +31,29 @@ async def test_charts_label_their_highest_and_lowest_values_and_the_steps_they_c
         await until(trainer.published.is_set, "the run")
         await until(lambda: "steps 1–10" in "".join(chart_lines(app.loss_chart)), "the loss chart's steps")
         title, top, bottom = chart_lines(app.loss_chart)
-        assert title.startswith("loss 0.1000") and title.rstrip().endswith("steps 1–10")
+        assert title.startswith("loss ~0.1 ") and title.rstrip().endswith("steps 1–10")  # its last column
         # Folded into its width the chart's columns still run from the first loss to the last.
         assert top.split()[0] == "1" and bottom.split()[0] == "0.1"
         title, top, bottom = chart_lines(app.throughput_chart)
         assert title.rstrip().endswith("steps 1–10")
         assert top.split()[0] == "1.1k" and bottom.split()[0] == "1.0k"  # 1100 and 1010 samples/s
+        await quit_app(app)
+
+
+@pytest.mark.parametrize("size", [(80, 24), (120, 36)])
+async def test_the_loss_charts_title_lies_within_its_axis_when_the_last_step_is_an_outlier(size):
+    # The title said the last step's `loss 0.0002` over an axis of 0.00392-0.0196 (means of columns).
+    app, trainer = scripted(steps=3)
+    async with app.run_test(size=size):
+        await until(trainer.published.is_set, "the run")
+        history = [0.02 - 0.016 * i / 239 for i in range(239)] + [0.0002]
+        app.loss_chart.show("0.0002", history, 240)
+        await until(lambda: "steps 1–240" in "".join(chart_lines(app.loss_chart)), "the history drawn")
+        title, top, *middle, bottom = chart_lines(app.loss_chart)
+        if bottom.split() == ["1", "240"]:  # the x axis, on a line of its own
+            bottom = middle.pop()
+        low, high, figure = float(bottom.split()[0]), float(top.split()[0]), float(title.split("~")[1].split()[0])
+        assert low <= figure <= high and figure > 0.0002, (title, low, high)
         await quit_app(app)
 
 

@@ -172,13 +172,14 @@ def test_device_0_without_rows_trains_as_the_plain_module(make_dp, split):
 
 
 class Allocator:
-    """The allocator's peak counter as the keeper sees it."""
+    """The allocator's counters as the keeper sees them: its allocated peak, and a reserved one 4x it."""
 
     def __init__(self) -> None:
         self.peak = 0
 
-    def read(self, index: int) -> int:
-        return self.peak
+    def read(self, index: int) -> dict:
+        return {"allocated_bytes": {"all": {"current": 0, "peak": self.peak}},
+                "reserved_bytes": {"large_pool": {"peak": 4 * self.peak}}, "num_ooms": 0}
 
     def reset(self, index: int) -> None:
         self.peak = 0
@@ -196,6 +197,10 @@ def test_the_users_peak_survives_the_steps_resets_until_the_user_resets():
     allocator.peak = 1200  # a bigger step
     keeper.step_reset(0)
     assert keeper.users_peak(0) == 1200
+    # every peak counter is kept, not only allocated bytes'; the allocator's own read is left as it is
+    allocator.peak = 10
+    assert keeper.users_stats(0)["reserved_bytes"]["large_pool"]["peak"] == 4800
+    assert allocator.read(0)["reserved_bytes"]["large_pool"]["peak"] == 40
     keeper.users_reset(0)
     assert allocator.peak == 0 and keeper.users_peak(0) == 0
     allocator.peak = 50

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import json
 import subprocess
 import sys
 import textwrap
@@ -304,7 +305,7 @@ def test_the_step_peak_counts_the_backward_and_starts_at_the_step(make_dp) -> No
     (replica,) = finished(dp).replicas
     assert replica.memory_bytes < scratch
     assert scratch <= replica.peak_memory_bytes < scratch * 2
-    # Without dptui run's view, the allocator's peak starts at each step (README: Memory).
+    # Without dptui run's view, the allocator's peak starts at each step (docs/engine.md#peak-memory-on-cuda).
     assert torch.cuda.max_memory_allocated() < scratch * 2
 
 
@@ -322,13 +323,68 @@ def test_under_dptui_run_the_scripts_own_peak_is_kept(tmp_path) -> None:
         for _ in range(3):
             dp(torch.randn(8, 4, device="cuda")).sum().backward()
         kept = torch.cuda.max_memory_allocated()
+        # every peak the user can read, through either API, as without dptui
+        others = (torch.cuda.max_memory_reserved(), torch.cuda.memory_stats()["allocated_bytes.all.peak"],
+                  torch.cuda.memory_stats_as_nested_dict()["allocated_bytes"]["all"]["peak"],
+                  torch.accelerator.max_memory_allocated(), torch.accelerator.max_memory_reserved())
         torch.cuda.reset_peak_memory_stats()
         dp(torch.randn(8, 4, device="cuda")).sum().backward()
-        print(kept >= 512 << 20, torch.cuda.max_memory_allocated() < 512 << 20)
+        print(kept >= 512 << 20, all(o >= 512 << 20 for o in others), torch.cuda.max_memory_allocated() < 512 << 20)
     """))
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["True", "True"]
+    assert done.stdout.split() == ["True", "True", "True"]
+
+
+def test_a_ddp_ranks_own_peak_reads_as_without_dptui(tmp_path) -> None:
+    # The rank's step clock resets the allocator's peak every step: the script's reading must not see it.
+    script = tmp_path / "rank_peak.py"
+    script.write_text(textwrap.dedent("""
+        import torch, torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+        dist.init_process_group("nccl")
+        torch.cuda.set_device(0)
+        big = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
+        del big
+        model = DistributedDataParallel(torch.nn.Linear(4, 2).cuda())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(4):
+            model(torch.randn(8, 4, device="cuda")).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        print("peak kept:", torch.cuda.max_memory_allocated() >= 512 << 20, torch.cuda.max_memory_reserved() >= 512 << 20)
+        dist.destroy_process_group()
+    """))
+    done = subprocess.run([sys.executable, "-m", "tui.cli", "run", "--nproc-per-node", "1", "--headless", "--json",
+                           "--no-telemetry", str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    events = [json.loads(line) for line in done.stdout.splitlines()]
+    assert "peak kept: True True" in [e.get("line") for e in events], done.stdout[-2000:]
+
+
+@two_gpus
+def test_a_rank_on_gpu_1_without_set_device_opens_no_context_on_gpu_0(tmp_path) -> None:
+    # The DDP tutorial's demo_basic: model.to(rank), no set_device. The step clock recorded its
+    # events on the current device's stream (GPU 0's), timing an idle stream and opening a context there.
+    script = tmp_path / "on_gpu_1.py"
+    script.write_text(textwrap.dedent("""
+        import torch, torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+        dist.init_process_group("gloo")
+        model = DistributedDataParallel(torch.nn.Linear(256, 256).to(1), device_ids=[1])
+        for _ in range(6):
+            model(torch.randn(64, 256, device=1)).sum().backward()
+            torch.optim.SGD(model.parameters(), lr=0.1).step()
+        print("gpu0 used:", torch.cuda.memory_reserved(0) > 0, torch.cuda.is_initialized())
+        dist.destroy_process_group()
+    """))
+    done = subprocess.run([sys.executable, "-m", "tui.cli", "run", "--nproc-per-node", "1", "--headless", "--json",
+                           "--no-telemetry", str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    events = [json.loads(line) for line in done.stdout.splitlines()]
+    assert "gpu0 used: False True" in [e.get("line") for e in events], done.stdout[-2000:]
+    steps = [e for e in events if e["type"] == "rank_step"]
+    assert len(steps) >= 5 and all(s["forward_ms"] > 0 for s in steps), steps
 
 
 def test_the_last_step_is_published_at_exit_without_waiting_before(tmp_path) -> None:

@@ -15,7 +15,7 @@ from tui.cli import main
 from tui.script.ddp_launch import ddp_requested, parse_launch, split_options
 from tui.script.failure_record import FailureRecord
 from tui.script.rank_server import RankServer
-from tui.script.script_run import ScriptTarget
+from tui.script.target import ScriptTarget
 
 SCRIPT = str(Path(__file__).parent / "fixtures" / "ranks" / "fake_rank.py")
 DPTUI_OPTIONS = {"--headless": False, "--json": False, "--log": True}

@@ -160,6 +160,7 @@ def test_a_rank_killed_before_a_restart_is_named_as_killed_and_the_next_generati
     ended = {e["rank"]: e for e in of_type(first, "rank_ended")}
     # torchrun logged rank 1 as killed (exitcode -9); it was said to be ended by torchrun's SIGTERM.
     assert (ended[1]["exit_code"], ended[1]["error"]) == (-9, "killed by SIGKILL before its script finished")
-    printed = {(o["rank"], o["line"]) for o in of_type(second, "output") if o.get("rank") is not None}
+    # Only restarted ranks print it; a busy machine may pass a line on before the new generation's start.
+    printed = {(o["rank"], o["line"]) for o in of_type(events, "output") if o.get("rank") is not None}
     assert {(r, f"[rank {r}] would resume from snapshot at epoch 1") for r in range(2)} <= printed
     assert sorted((e["rank"], e["exit_code"]) for e in of_type(second, "rank_ended")) == [(0, 0), (1, 0)]

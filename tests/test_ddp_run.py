@@ -23,7 +23,8 @@ from dpengine.run.protocol import PAUSE, Run
 from tui.script.ddp_launch import parse_launch
 from tui.script.ddp_run import DdpRun
 from tui.script.events import ScriptNotice
-from tui.script.script_run import ScriptRun, ScriptTarget
+from tui.script.script_run import ScriptRun
+from tui.script.target import ScriptTarget
 
 RANKS = Path(__file__).parent / "fixtures" / "ranks"
 FAKE = str(RANKS / "fake_rank.py")
@@ -124,8 +125,8 @@ def test_a_script_exit_status_is_the_first_failed_ranks():
     assert done.returncode == 3, done.stderr
 
 
-def test_a_rank_that_aborts_in_teardown_after_its_script_finished_counts_as_finished():
-    done = dptui("--nproc-per-node", "2", "--headless", "--json", FAKE, "steps=5", "abort_rank=1")
+def test_a_rank_that_aborts_in_teardown_after_its_script_finished_counts_as_finished(tmp_path):
+    done = dptui("--nproc-per-node", "2", "--headless", "--json", FAKE, "steps=5", f"abort_rank=1:{tmp_path}")
     assert done.returncode == 0, done.stderr
     notices = [n["text"] for n in of_type(json_events(done.stdout), "notice")]
     assert notices == ["rank 1 ended with SIGABRT in interpreter teardown after its script finished: "

@@ -226,6 +226,10 @@ def test_headless_view_of_a_ddp_log_prints_each_rank_and_the_verdicts(capsys):
         own = sum(s.total_ms - s.comm_wait_ms for s in mine) / len(mine)
         assert float(row["own"]) == pytest.approx(own, rel=0.01)
         assert float(row["loss"]) == mine[-1].loss
+    advice = [line for line in out if line.startswith("advice: ")]
+    assert advice == ["advice: rank 1 was the straggler from step 24 to 45 (data 48.0 ms per step over the other "
+                      "ranks' median), none since"], advice
+    out = [line for line in out if line not in advice]
     assert out[-3:] == ["straggler verdicts:", "  step 24: rank 1 is the straggler: data +48.0 ms/step over 20 steps",
                         "  step 45: no straggler any more"]
 

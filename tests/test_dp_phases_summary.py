@@ -81,8 +81,10 @@ def test_dptui_run_headless_and_dptui_view_headless_say_a_slow_input_script_was_
         capture_output=True, text=True, timeout=180,
     )
     assert done.returncode == 0, done.stderr
-    summary = done.stderr.splitlines()[-5:]
-    phases, bound = summary[-2:]
+    told = done.stderr.splitlines()
+    run_advice = [line for line in told if line.startswith("advice: ")]
+    assert len(run_advice) == 1 and run_advice[0].startswith("advice: input-bound: "), told[-6:]
+    phases, bound = [line for line in told if line not in run_advice][-2:]
     assert phases.startswith("phases per step, means over 29 steps: data ")
     data_ms = float(phases.split("data ")[1].split()[0])
     assert data_ms >= 40  # the script's sleep before each batch
@@ -93,4 +95,8 @@ def test_dptui_run_headless_and_dptui_view_headless_say_a_slow_input_script_was_
     view = subprocess.run([sys.executable, "-m", "tui.cli", "view", "--headless", str(log)],
                           capture_output=True, text=True, timeout=60)
     assert view.returncode == 0, view.stderr
-    assert view.stdout.splitlines()[-2:] == [phases, bound]
+    said = view.stdout.splitlines()
+    advice = [line for line in said if line.startswith("advice: ")]
+    assert [line for line in said if line not in advice][-2:] == [phases, bound]
+    assert len(advice) == 1 and advice[0].startswith("advice: input-bound: waiting for data "), advice
+    assert float(advice[0].split("waiting for data ")[1].split()[0]) >= 40  # the median step's

@@ -16,7 +16,8 @@ from ui_fakes import step_event
 from dpengine.eventlog.events import RunConfig, RunStarted
 from dpengine.eventlog.writer import JsonLinesWriter
 from tui.script.app import ScriptApp
-from tui.script.script_run import ScriptRun, ScriptTarget
+from tui.script.script_run import ScriptRun
+from tui.script.target import ScriptTarget
 from tui.view.app import ViewerApp
 from tui.widgets.device_panel import DevicePanel
 

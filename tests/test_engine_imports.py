@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import dpengine
+from import_scan import imports, module_name
 
 ENGINE = Path(dpengine.__file__).parent
 
@@ -54,19 +55,9 @@ def test_no_engine_module_imports_the_ui_even_inside_a_function():
 
 def imported_modules(path: Path) -> list[str]:
     """Every module `path` imports, at the top or inside a function, relative imports resolved."""
-    package = ".".join(path.relative_to(ENGINE.parent).with_suffix("").parts[:-1])
     names = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            names += [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
-                module = ".".join(base + ([node.module] if node.module else []))
-            else:
-                module = node.module or ""
-            # `from . import x` may name a submodule: count both
-            names += [module] + [f"{module}.{alias.name}" for alias in node.names]
+    for _, source, taken in imports(module_name(path, ENGINE.parent), path):
+        names += [source] + [f"{source}.{t}" for t in taken]  # `from . import x` may name a submodule
     return names
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ ACCELERATE = str(FRAMEWORKS / "accelerate_loop.py")
 # accelerate's own launcher, as a module and as the console script pip puts beside python.
 ACCELERATE_LAUNCH = {"module": ["-m", "accelerate.commands.launch"], "script": ["accelerate", "launch"]}
 TWO_CPU_RANKS = ["--multi_gpu", "--num_processes", "2"]
+SLOWED_MS = 50.0  # what the fixtures' SLOW_S adds to rank 1's phase
 PHASES = ("data_ms", "forward_ms", "backward_ms", "comm_wait_ms", "optimizer_ms")
 
 
@@ -40,8 +42,13 @@ def assert_steps_phases_and_verdict(events: list[dict], steps_per_rank: int, pha
         # Lightning runs forward and backward inside optimizer.step(closure): they are not optimizer time.
         assert sum(step[p] for p in PHASES) <= step["total_ms"] * 1.0001 + 1e-6, step
         assert step["forward_start_ms"] < step["backward_start_ms"] < step["optimizer_start_ms"], step
-    verdicts = [(v["rank"], v["phase"]) for v in of_type(events, "straggler")]
-    assert verdicts[:1] == ([] if phase == "none" else [(1, phase)]), verdicts
+    verdicts = of_type(events, "straggler")
+    if phase == "none":
+        # A busy machine (CI, parallel test workers) can make a rank a few ms slower for real, and
+        # dptui rightly says so; nothing near the 50 ms the slowed cases add may be blamed.
+        assert not [v for v in verdicts if v["excess_ms"] > SLOWED_MS / 2], verdicts
+    else:
+        assert [(v["rank"], v["phase"]) for v in verdicts][:1] == [(1, phase)], verdicts
 
 
 def assert_same_lines(watched: subprocess.CompletedProcess, plain: subprocess.CompletedProcess) -> None:
@@ -49,6 +56,15 @@ def assert_same_lines(watched: subprocess.CompletedProcess, plain: subprocess.Co
     assert script_lines(json_events(watched.stdout)) == said
     # Plain, the ranks' unbuffered prints may share a line (their own race): the same text, though.
     assert all(line in plain.stdout for line in said) and len(plain.stdout.replace("\n", "")) == len("".join(said))
+
+
+# gloo may abort a rank in interpreter teardown after its script ended (torch's own, seen now and then
+# on FSDP runs): dptui says so in a notice, rightly, and the run still counts as finished.
+TEARDOWN_ABORT = re.compile(r"^rank \d ended with SIGABRT in interpreter teardown after its script finished")
+
+
+def unexpected_notices(events: list[dict]) -> list[dict]:
+    return [n for n in of_type(events, "notice") if not TEARDOWN_ABORT.match(n["text"])]
 
 
 def script_lines(events: list[dict]) -> list[str]:
@@ -68,7 +84,7 @@ def test_lightning_and_accelerate_step_every_rank_with_disjoint_phases_and_the_r
     events = json_events(done.stdout)
     assert len(of_type(events, "rank_joined")) == 2
     assert_steps_phases_and_verdict(events, 22, phase)
-    assert not of_type(events, "notice"), of_type(events, "notice")
+    assert not unexpected_notices(events), unexpected_notices(events)
 
 
 def test_lightning_launching_itself_under_dptui_does_as_without_it():
@@ -105,7 +121,7 @@ def test_fsdp_steps_every_rank_with_its_collective_wait_and_the_right_verdict(ki
     assert done.returncode == 0, done.stderr
     events = json_events(done.stdout)
     assert_steps_phases_and_verdict(events, 22, phase)
-    assert not of_type(events, "notice"), of_type(events, "notice")
+    assert not unexpected_notices(events), unexpected_notices(events)
     if phase != "none":  # the rank on time waits the slow one's 50 ms in FSDP's collectives
         late = [s for s in of_type(events, "rank_step") if s["rank"] == 0 and s["step"] >= 4]
         assert sorted(s["comm_wait_ms"] for s in late)[len(late) // 2] > 40, late
@@ -123,4 +139,4 @@ def test_hf_trainer_with_accumulation_steps_its_optimizer_steps_of_two_micro_bat
     assert {(s["micro_batches"], s["samples"]) for s in of_type(events, "rank_step")} == {(2, 16)}
     assert [line for line in script_lines(events) if line.startswith("rank")] == [
         "rank 0 done: 22 steps", "rank 1 done: 22 steps"]
-    assert not of_type(events, "notice"), of_type(events, "notice")
+    assert not unexpected_notices(events), unexpected_notices(events)

@@ -48,7 +48,9 @@ def test_a_dataparallel_script_that_closes_every_fd_is_told_its_link_was_cut(tmp
     assert [e["line"] for e in of_type(events, "output") if e["stream"] == "stdout"] == ["done: 8 steps"]
     assert_only_the_scripts_own_lines_in(tmp_path, 1)
     (finished,) = of_type(events, "run_finished")
-    assert 1 <= finished["steps"] <= 3 and len(of_type(events, "step")) == finished["steps"]  # those before the cut
+    # Those the sender wrote before the cut: it gathers steps for 50 ms, and on a busy machine the
+    # script may close the fds before the sender thread has run at all.
+    assert 0 <= finished["steps"] <= 3 and len(of_type(events, "step")) == finished["steps"]
     notices = [n["text"] for n in of_type(events, "notice")]
     assert notices == [f"the script's link to dptui was cut before the script ended, after {finished['steps']} "
                        "recorded step" + ("" if finished["steps"] == 1 else "s") + ": the script closed the link's "

@@ -507,6 +507,21 @@ def test_every_step_of_32_threads_calling_one_instance_at_once_is_recorded(make_
     assert wrong == []
     assert sorted(r.step for r in got) == list(range(1, 641))
     assert all(r.batch_size == 30 and [rep.chunk_size for rep in r.replicas] == [10, 10, 10] for r in got)
+    # Each thread's backward times its own step: one thread's backward pass ending does not seal
+    # another thread's step whose backward is still to come (31 of 320 came without one).
+    assert sum(r.backward_ms is not None for r in got) == 320
+
+
+def test_a_failed_call_takes_no_step_number(make_dp) -> None:
+    dp = make_dp(nn.Linear(5, 2), cpus(2))
+    got: list[StepRecord] = []
+    dp.subscribe(got.append)
+    dp(torch.randn(4, 5)).sum().backward()
+    with pytest.raises(RuntimeError, match="replica 0 on device cpu:0"):
+        dp(torch.randn(4, 3))  # the wrong width: every replica fails
+    dp(torch.randn(4, 5)).sum().backward()
+    dp.flush_steps()
+    assert [r.step for r in got] == [1, 2]
 
 
 def test_a_backward_over_two_forwards_gives_both_steps_their_backward(make_dp) -> None:

@@ -24,7 +24,8 @@ from textual.widgets import SelectionList
 from tui.screens.devices import DevicesScreen
 from tui.script.app import ScriptApp, ScriptRunView
 from tui.script.events import ScriptOutput
-from tui.script.script_run import BATCH_OWNED, ScriptRun, ScriptTarget
+from tui.script.script_run import BATCH_OWNED, ScriptRun
+from tui.script.target import ScriptTarget
 from tui.widgets.device_panel import DevicePanel
 
 SCRIPTS = Path(__file__).parent / "fixtures" / "scripts"

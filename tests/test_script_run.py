@@ -21,7 +21,8 @@ from dpengine.eventlog.events import ConfigChanged, StateChanged, StepFinished
 from dpengine.run.protocol import BALANCE, BATCH_SIZE, Run
 from tui.cli import main
 from tui.script.events import ScriptOutput
-from tui.script.script_run import BATCH_OWNED, ScriptRun, ScriptTarget
+from tui.script.script_run import BATCH_OWNED, ScriptRun
+from tui.script.target import ScriptTarget
 
 SCRIPTS = Path(__file__).parent / "fixtures" / "scripts"
 EXAMPLE = Path(__file__).parent.parent / "examples" / "train_script.py"
@@ -73,6 +74,20 @@ def test_steps_finished_before_an_os_exit_reach_dptui():
     events = json_events(done.stdout)
     assert [s["step"] for s in of_type(events, "step")] == [1, 2, 3]
     assert of_type(events, "script_exited") == [{"type": "script_exited", "code": 3, "signal": None}]
+
+
+def test_the_last_step_before_a_sigkill_reaches_dptui(tmp_path):
+    # The last step waited in the script for its optimizer time, until a next forward that never
+    # came: SIGKILL after 3 steps left 1 in the log.
+    log = tmp_path / "run.jsonl"
+    done = dptui("--headless", "--json", "--log", str(log), "--devices", "cpu:0,cpu:1", "--no-telemetry",
+                 script("hard_exit.py"), "sigkill", str(log))
+    assert done.returncode == 137, done.stderr
+    events = json_events(done.stdout)
+    steps = of_type(events, "step")
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    assert steps[-1]["engine"]["optimizer_ms"] > 0  # the optimizer step it waited for, before it went out
+    assert of_type(events, "script_exited") == [{"type": "script_exited", "code": 137, "signal": "SIGKILL"}]
 
 
 def test_32_threads_calling_one_dataparallel_at_once_have_every_step_in_json():
@@ -186,7 +201,7 @@ def test_an_uncaught_exception_exits_1_with_the_scripts_traceback():
     assert done.stderr.startswith("Traceback (most recent call last):\n")
     assert done.stderr.endswith("RuntimeError: boom in the user's script\n")
     assert 'raises.py", line 2, in fail' in done.stderr
-    assert "bootstrap" not in done.stderr and "runpy" not in done.stderr  # only the user's frames
+    assert "dpengine" not in done.stderr and "runpy" not in done.stderr  # only the user's frames
 
 
 def test_a_script_named_by_a_relative_path_has_an_absolute_file_as_under_python():

@@ -18,7 +18,8 @@ import torch
 from waiting import holds_for, wait_for
 
 from dpengine.eventlog.events import ConfigChanged, StateChanged, StepFinished
-from tui.script.script_run import ScriptRun, ScriptTarget
+from tui.script.script_run import ScriptRun
+from tui.script.target import ScriptTarget
 
 SCRIPTS = Path(__file__).parent / "fixtures" / "scripts"
 REAL = SCRIPTS / "real"

@@ -18,7 +18,8 @@ from waiting import holds_for, wait_for
 from dpengine.eventlog.events import RankStepFinished, StateChanged
 from dpengine.script import rank_wire
 from dpengine.script.spawned_rank import SITE_DIR
-from tui.script.script_run import ScriptRun, ScriptTarget
+from tui.script.script_run import ScriptRun
+from tui.script.target import ScriptTarget
 
 SCRIPT = Path(__file__).parent / "fixtures" / "scripts" / "spawned_ranks.py"
 

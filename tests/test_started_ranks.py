@@ -17,7 +17,8 @@ from waiting import gone, wait_for
 
 from dpengine.eventlog.events import RankEnded, RankJoined, RankStepFinished, RunStarted
 from tui.script.events import ScriptNotice, ScriptOutput, ScriptStarted
-from tui.script.script_run import ScriptRun, ScriptTarget
+from tui.script.script_run import ScriptRun
+from tui.script.target import ScriptTarget
 
 SCRIPT = Path(__file__).parent / "fixtures" / "scripts" / "started_ranks.py"
 STEPS = 3

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import io
 
-from pilot import press, quit_app, until
+import pytest
+
+from pilot import holds, press, quit_app, status, until
 from timeline_fixtures import balanced_step, ddp_run, dp_run, step_finished, unbalanced_step, without_offsets
 from ui_fakes import ScriptedTrainer, factory_of
 
@@ -30,7 +32,7 @@ async def test_t_shows_the_last_steps_timeline_in_the_panels_place_and_back():
         await until(lambda: app.devices.children, "the panels")
         assert not app.timeline.display
         await press(app, "t")
-        await until(lambda: shows(app, "waits 9.8 ms for cpu:2"), "cpu:0's wait, at 80 columns")
+        await until(lambda: shows(app, "waits 9.7 ms for cpu:2"), "cpu:0's wait, at 80 columns")
         assert app.timeline.border_title == "timeline · step 3"
         assert not app.devices.display and app.timeline.border_subtitle == ""  # exact: start times recorded
         rows = [line.split()[0] for line in screen_text(app.timeline).splitlines()[1:] if line[:1] != " "]
@@ -51,7 +53,7 @@ async def test_a_live_run_follows_the_latest_step():
         # The run goes on (fed as its thread would): the 10 Hz refresh shows each newer step.
         app.session.view.feed(step_finished(2, without_offsets(unbalanced_step(2))))
         await until(lambda: app.timeline.border_title == "timeline · step 2", "step 2")
-        await until(lambda: shows(app, "waits 9.8 ms for cpu:2"), "its wait, once laid out for 3 rows")
+        await until(lambda: shows(app, "waits 9.6 ms for cpu:2"), "its wait, once laid out for 3 rows")
         assert "approximate" in app.timeline.border_subtitle  # an older record: no start times
         await quit_app(app)
 
@@ -83,8 +85,28 @@ async def test_the_viewer_shows_the_selected_step_and_the_arrows_move_it(tmp_pat
         assert not shows(app, "waits")
         await press(app, "left")
         await until(lambda: app.timeline.border_title == "timeline · step 2", "step 2")
-        await until(lambda: shows(app, "waits 9.8 ms for cpu:2"), "its wait, once laid out for 3 rows")
+        await until(lambda: shows(app, "waits 9.7 ms for cpu:2"), "its wait, once laid out for 3 rows")
         assert app.timeline.border_subtitle == ""
         await press(app, "left")
         await until(lambda: app.timeline.border_title == "timeline · step 1", "step 1")
+        await quit_app(app)
+
+
+@pytest.mark.parametrize("size", [(80, 24), (120, 36)])
+async def test_h_holds_the_timeline_on_its_step_while_the_run_goes_on(size):
+    trainer = ScriptedTrainer(dp_run(unbalanced_step, steps=1))
+    app = DptuiApp(factory_of(trainer))
+    async with app.run_test(size=size):
+        await until(trainer.published.is_set, "the run")
+        await press(app, "t")
+        await until(lambda: app.timeline.border_title == "timeline · step 1", "step 1")
+        await press(app, "h")
+        await until(lambda: "held: h follows new steps" in app.timeline.border_subtitle, "the hold")
+        app.session.view.feed(step_finished(2, balanced_step(2)))
+        await until(lambda: "(#2)" in status(app), "step 2 in the status bar")
+        # The 10 Hz refresh draws a new step within 0.1 s: held, step 1 stays many times as long.
+        await holds(lambda: app.timeline.border_title == "timeline · step 1", 1.0, "the held step")
+        await press(app, "h")
+        await until(lambda: app.timeline.border_title == "timeline · step 2", "the newest step again")
+        assert "held" not in app.timeline.border_subtitle
         await quit_app(app)

@@ -24,13 +24,29 @@ def test_fast_replicas_wait_for_the_slowest_before_the_gather():
     fast = timeline.rows[0].spans
     assert [s.kind for s in fast] == ["scatter", "replicate", "forward", "wait", "gather", "backward"]
     (wait,) = [s for s in fast if s.kind == "wait"]
-    assert wait.label == "waits 9.8 ms for cpu:2"
-    assert (wait.start_ms, wait.end_ms) == pytest.approx((9.7, 19.5))  # forward's end to the gather
+    assert wait.label == "waits 9.7 ms for cpu:2"
+    # From its forward's end to cpu:2's (19.4); the 0.1 ms left before the gather is the engine's.
+    assert (wait.start_ms, wait.end_ms) == pytest.approx((9.7, 19.4))
     slow = spans(timeline, 2)
     assert "wait" not in slow  # nobody to wait for
     assert slow["forward"].start_ms == 1.8 and slow["gather"].start_ms == 19.5
     assert slow["backward"].label == "backward 12.5 ms"
     assert timeline.span_ms == pytest.approx(33.7)  # cpu:2's backward ends last
+
+
+def test_a_replica_that_ended_last_for_starting_late_is_said_so_and_the_hand_off_is_nobodys():
+    # cpu:1 "waited 0.114 ms for cpu:0" while cpu:0 ran the shortest forward: it started last.
+    record = unbalanced_step()
+    late = dataclasses.replace(record.replicas[0], forward_start_ms=12.0, forward_ms=7.5)  # ends 19.5
+    early = dataclasses.replace(record.replicas[1], forward_start_ms=1.7, forward_ms=8.0)  # ends 9.7
+    prompt = dataclasses.replace(record.replicas[2], forward_start_ms=1.8, forward_ms=9.0)  # ends 10.8
+    timeline = dp_timeline(1, dataclasses.replace(record, replicas=(late, early, prompt), gather_start_ms=25.0))
+    waits = {row.name: [s.label for s in row.spans if s.kind == "wait"] for row in timeline.rows}
+    assert waits == {"cpu:0": [], "cpu:1": ["waits 9.8 ms for cpu:0 (started late)"],
+                     "cpu:2": ["waits 8.7 ms for cpu:0 (started late)"]}  # up to 19.5, not to the gather at 25
+    slow = dataclasses.replace(late, forward_start_ms=1.9, forward_ms=17.6)
+    timeline = dp_timeline(1, dataclasses.replace(record, replicas=(slow, early, prompt)))
+    assert [s.label for s in timeline.rows[1].spans if s.kind == "wait"] == ["waits 9.8 ms for cpu:0"]
 
 
 def test_a_balanced_step_has_no_waits():
@@ -53,7 +69,7 @@ def test_without_start_times_phases_are_laid_end_to_end_and_called_approximate()
     assert fast["forward"].start_ms == pytest.approx(1.6)  # every replica from the apply's start
     assert fast["gather"].start_ms == pytest.approx(19.4)  # the apply's end: the slowest forward's
     waits = [s.label for s in timeline.rows[0].spans if s.kind == "wait"]
-    assert waits == ["waits 9.8 ms for cpu:2"]  # 19.4 - (1.6 + 8.0)
+    assert waits == ["waits 9.6 ms for cpu:2"]  # (1.6 + 17.6) - (1.6 + 8.0)
     assert fast["backward"].start_ms == pytest.approx(20.2)  # after the whole forward
     # One missing start is enough to say so.
     assert dp_timeline(1, dataclasses.replace(record, gather_start_ms=None)).approximate
@@ -79,13 +95,13 @@ def test_a_script_s_step_has_its_data_wait_before_it_and_its_optimizer_after_its
     row = spans(timeline, 0)
     assert (row["data"].start_ms, row["data"].duration_ms, row["data"].label) == (0.0, 30.0, "data 30.0 ms")
     assert row["forward"].start_ms == pytest.approx(31.7)  # the step's own phases after the data wait
-    assert (row["wait"].start_ms, row["wait"].end_ms) == pytest.approx((39.7, 49.5))
+    assert (row["wait"].start_ms, row["wait"].end_ms) == pytest.approx((39.7, 49.4))  # to cpu:2's forward end
     assert (row["optimizer"].start_ms, row["optimizer"].label) == (pytest.approx(65.0), "optimizer 4.0 ms")
     assert timeline.span_ms == pytest.approx(69.0)
     # The step's, on every row; the figures under a row stay its own.
     assert all(spans(timeline, r)["data"] == row["data"] for r in range(3))
     assert all(spans(timeline, r)["optimizer"] == row["optimizer"] for r in range(3))
-    assert detail_line(timeline, 0, 7).plain.strip() == "fwd 8.0 · waits 9.8 ms for cpu:2 · bwd 6.0"
+    assert detail_line(timeline, 0, 7).plain.strip() == "fwd 8.0 · waits 9.7 ms for cpu:2 · bwd 6.0"
     bars = bar_line(timeline, 0, 7, 150).plain
     assert "data 30.0 ms" in bars and "forward 8.0 ms" in bars and bars.rstrip().endswith("opt")
 
@@ -149,11 +165,11 @@ def test_bars_carry_the_labels_that_fit_and_the_detail_line_says_the_waits():
     timeline = dp_timeline(1, unbalanced_step())
     wide = bar_line(timeline, 0, 7, 150).plain
     assert wide.startswith("cpu:0  ") and len(wide) == 157
-    assert "forward 8.0 ms" in wide and "waits 9.8 ms for cpu:2" in wide
+    assert "forward 8.0 ms" in wide and "waits 9.7 ms for cpu:2" in wide
     narrow = bar_line(timeline, 0, 7, 30).plain
     assert "fwd" in narrow and "forward" not in narrow and "waits" not in narrow  # the short labels
     detail = detail_line(timeline, 0, 7).plain
-    assert detail.strip() == "fwd 8.0 · waits 9.8 ms for cpu:2 · bwd 6.0"
+    assert detail.strip() == "fwd 8.0 · waits 9.7 ms for cpu:2 · bwd 6.0"
 
 
 def test_the_axis_numbers_sit_at_their_ticks():

@@ -61,7 +61,8 @@ def test_a_real_runs_log_exports_one_event_per_phase_per_step(tmp_path, capsys):
     (process,) = named(trace, "process_name").values()
     assert process.startswith("run 1: seed · dp") and APPROXIMATE not in process  # the engine's start times
     tracks = named(trace, "thread_name")
-    assert sorted(tracks.values()) == ["cpu:0", "cpu:1", "cpu:2", "engine"]
+    # The trainer's data wait and optimizer step lie on the script's track, around the engine's.
+    assert sorted(tracks.values()) == ["cpu:0", "cpu:1", "cpu:2", "engine", "script"]
     by_track = {name: tid for (pid, tid), name in tracks.items()}
     forwards = complete(trace, "forward")
     assert len(forwards) == 8 * 3 and len(complete(trace, "backward")) == 8 * 3
@@ -74,7 +75,7 @@ def test_a_real_runs_log_exports_one_event_per_phase_per_step(tmp_path, capsys):
     for event in forwards:  # ... and starts where it says, after the apply began
         step = steps[event["args"]["step"] - 1]
         (replica,) = [r for r in step.record.replicas if by_track[r.device] == event["tid"]]
-        step_start = instants[step.step - 1]["ts"]
+        step_start = instants[step.step - 1]["ts"] + step.record.data_ms * 1000  # after the data wait
         assert event["ts"] == pytest.approx(step_start + replica.forward_start_ms * 1000)
         assert replica.forward_start_ms >= step.record.apply_start_ms
     assert [e["name"] for e in instants] == [f"step {n}" for n in range(1, 9)]
@@ -83,9 +84,16 @@ def test_a_real_runs_log_exports_one_event_per_phase_per_step(tmp_path, capsys):
     assert starts == sorted(starts)
     for phase in ("scatter", "replicate", "apply", "gather"):
         assert len(complete(trace, phase)) == 8
-    gathers = complete(trace, "gather")
-    for start, gather, step in zip(starts, gathers, steps):
-        assert gather["ts"] + gather["dur"] == pytest.approx(start + step.record.total_ms * 1000)
+    gathers, datas, optimizers = complete(trace, "gather"), complete(trace, "data"), complete(trace, "optimizer")
+    assert len(datas) == len(optimizers) == 8
+    for start, gather, data, optimizer, step in zip(starts, gathers, datas, optimizers, steps):
+        record = step.record
+        assert data["tid"] == optimizer["tid"] == by_track["script"]
+        assert data["ts"] == pytest.approx(start) and data["dur"] / 1000 == pytest.approx(record.data_ms)
+        engine_start = start + record.data_ms * 1000
+        assert gather["ts"] + gather["dur"] == pytest.approx(engine_start + record.total_ms * 1000)
+        assert optimizer["ts"] == pytest.approx(engine_start + record.optimizer_start_ms * 1000)
+        assert optimizer["dur"] / 1000 == pytest.approx(record.optimizer_ms)
 
 
 def test_an_older_log_without_start_times_is_laid_end_to_end_and_says_so(tmp_path, capsys):

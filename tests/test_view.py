@@ -57,8 +57,10 @@ def test_headless_summary_of_a_real_headless_run(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("seed · dp: 8 steps, finished, final loss ")
     assert out[1].split() == ["device", "chunks", "rows", "forward", "ms", "backward", "ms", "peak", "memory"]
-    rows = {line.split()[0]: line.split() for line in out[2:]}
+    rows = {line.split()[0]: line.split() for line in out[2:2 + len(DEVICES)]}
     assert list(rows) == list(DEVICES)
+    # the trainer's steps have their phases, as a script's under dptui run
+    assert out[2 + len(DEVICES)].startswith("phases per step, means over 8 steps: data "), out
     # torch.chunk's split: 10/10/10 three times, then 4/4/2, in each of two epochs
     assert [rows[d][1:3] for d in DEVICES] == [["8", "68"], ["8", "68"], ["8", "64"]]
     mean_forward = sum(s.record.replicas[0].forward_ms for s in steps) / 8
@@ -283,6 +285,20 @@ def run_events(batches: list[int], workload: str = "seed") -> list:
     return events
 
 
+async def test_the_viewer_advises_from_the_steps_on_its_screen(tmp_path):
+    path = tmp_path / "run.jsonl"
+    events = run_events([30] * 15)
+    for i, event in enumerate(events):
+        if isinstance(event, StepFinished):  # each step waited 20 ms for its batch
+            events[i] = dataclasses.replace(event, record=dataclasses.replace(event.record, data_ms=20.0))
+    write_log(path, events)
+    app = ViewerApp(path, advice_interval=0.1)
+    async with app.run_test(size=(120, 40)):
+        await until(lambda: "⚑ advice: input-bound: data " in status(app), "the advice in the status bar")
+        await until(lambda: "advice: input-bound: waiting for data 20" in log_text(app), "the advice in the log")
+        await quit_app(app)
+
+
 async def test_the_viewer_starts_at_the_last_step_and_steps_with_the_arrow_keys(tmp_path):
     path = tmp_path / "run.jsonl"
     write_log(path, run_events([30, 12, 6, 9]))
@@ -314,9 +330,11 @@ async def test_steering_keys_say_this_is_a_recording(tmp_path):
     app = ViewerApp(path)
     async with app.run_test():
         await until(lambda: "step 2 of 2" in status(app), "the recording")
-        await press(app, "space", "plus", "2", "a", "w", "r")
-        await until(lambda: len(app._notifications) == 6, "six refusals")
-        assert all("this is a recording" in n.message for n in app._notifications)
+        for key in ("space", "plus", "2", "a", "w", "r"):  # each key's refusal (3 toasts stay at most)
+            app.clear_notifications()
+            await press(app, key)
+            await until(lambda: len(app._notifications) == 1, f"{key}'s refusal")
+            assert "this is a recording" in next(iter(app._notifications)).message
         assert "step 2 of 2" in status(app)
         await quit_app(app)
 

@@ -22,11 +22,14 @@ from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal
+from textual.notifications import Notify
 from textual.screen import ModalScreen
 from textual.widgets import Footer
 from textual.worker import Worker, WorkerCancelled, WorkerFailed
 
+from dpengine.compare.advice import advise
 from dpengine.eventlog.events import RunFailed, RunFinished
+
 from . import format as fmt
 from .screens.batch_size import BatchSizeScreen
 from .screens.devices import DevicesScreen
@@ -48,7 +51,9 @@ REFRESH_S = 0.1
 # twice a second while a run goes, they cost the cores that train a third of what they did at 10 Hz.
 CHARTS_EVERY_S = 0.5
 LOG_REFRESH_S = 1.0  # new lines scroll the log, which repaints all of it
+ADVICE_EVERY_S = 5.0  # advice stands on many steps: judging it more often would change nothing
 PAUSE_LEFT_REFRESH_S = 1.0  # the countdown of a paused DDP run to its collective timeout
+MAX_TOASTS = 3  # on screen at once: the newest; older ones stay in the log when they were notices
 LOG_STYLES = {"model": "", "event": "cyan", "error": "bold red"}
 
 # Actions of plain keys: off while a dialog is open, so typing there cannot steer (or quit:
@@ -56,7 +61,7 @@ LOG_STYLES = {"model": "", "event": "cyan", "error": "bold red"}
 PLAIN_KEY_ACTIONS = {
     "pause", "resume", "scale_batch", "ask_batch", "toggle_device", "pick_devices",
     "restart", "toggle_log", "help", "quit_app", "toggle_balance", "ask_weights", "toggle_timeline",
-    "toggle_log_scale",
+    "toggle_log_scale", "hold_timeline",
 }
 
 # Actions that change a live run.
@@ -83,6 +88,7 @@ class DptuiApp(App[None]):
         Binding("w", "ask_weights", "Weights", show=False, tooltip="Type one split weight per device"),
         Binding("r", "restart", "Restart", tooltip="Restart the run from fresh weights"),
         Binding("t", "toggle_timeline", "Phases", tooltip="The last step's timeline, or the device panels"),
+        Binding("h", "hold_timeline", "Hold", show=False, tooltip="Hold the timeline on its step, or follow new steps"),
         Binding("y", "toggle_log_scale", "Log y", show=False, tooltip="The loss chart on a log scale, or linear"),
         Binding("l", "toggle_log", "Log", tooltip="Show or hide the log"),
         Binding("question_mark", "help", "Help", key_display="?", tooltip="This help"),
@@ -95,11 +101,13 @@ class DptuiApp(App[None]):
         *,
         clock: Callable[[], float] = time.monotonic,
         refresh_interval: float = REFRESH_S,
+        advice_interval: float = ADVICE_EVERY_S,
     ) -> None:
         super().__init__()
         self._run_factory = run_factory
         self._clock = clock
         self._refresh_interval = refresh_interval
+        self._advice_interval = advice_interval
         self.session = Session(self._new_view())
         self._worker: Worker | None = None
         self._restarting = False
@@ -135,6 +143,7 @@ class DptuiApp(App[None]):
         self.set_interval(self._refresh_interval, self._refresh_widgets)
         self.set_interval(max(self._refresh_interval, LOG_REFRESH_S), self._flush_log)
         self.set_interval(PAUSE_LEFT_REFRESH_S, self._refresh_pause_left)
+        self.set_interval(self._advice_interval, self._refresh_advice)
         self.call_after_refresh(self._start_run)  # once laid out, so the log knows its width
 
     def on_unmount(self) -> None:
@@ -223,6 +232,14 @@ class DptuiApp(App[None]):
         for notice in snap.notices:
             self.notify(notice.message, title=notice.title, severity=notice.severity, timeout=8)
 
+    def _refresh_advice(self) -> None:
+        """The advice the run's figures hold up now: in the status bar, and each new one in the log."""
+        advice = advise(self.session.view.figures())
+        said = {a.kind for a in self.status.advice}
+        for new in (a for a in advice if a.kind not in said):
+            self.log_view.write(Text(f"advice: {new.text}", style="yellow"))
+        self.status.show_advice(tuple(advice))
+
     def _refresh_pause_left(self) -> None:
         """While a run whose pause has a limit is paused (DDP: the collective timeout), the time left."""
         deadline = self.session.pause_deadline()
@@ -241,6 +258,19 @@ class DptuiApp(App[None]):
     def _log_text(self, line: LogLine) -> Text:
         """How a log line is drawn (dptui run's app draws the script's output safely)."""
         return Text(line.text, style=LOG_STYLES[line.kind])
+
+    def on_notify(self, event: Notify) -> None:
+        """After Textual has added a toast: a repeated message replaces its older toast, and at most
+        MAX_TOASTS stay (a key held past a limit stacked one toast per press up the screen)."""
+        new = event.notification
+        toasts = [n for n in self._notifications if n is not new]
+        for old in toasts:
+            if (old.message, old.title, old.severity) == (new.message, new.title, new.severity):
+                self._unnotify(old, refresh=False)
+        toasts = [n for n in self._notifications if n is not new]
+        for old in toasts[:max(len(toasts) - (MAX_TOASTS - 1), 0)]:
+            self._unnotify(old, refresh=False)
+        self._refresh_notifications()
 
     def _say(self, refusal: str | None) -> None:
         if refusal:
@@ -319,6 +349,12 @@ class DptuiApp(App[None]):
         self.timeline.display, self.devices.display = shown, not shown
         self._shown_version = -1  # draw what is shown now, not at the next step
         self._refresh_widgets()
+
+    def action_hold_timeline(self) -> None:
+        self.timeline.hold(not self.timeline.held)
+        if not self.timeline.held:
+            self._shown_version = -1  # the newest step, now
+            self._refresh_widgets()
 
     def action_toggle_log_scale(self) -> None:
         self.loss_chart.log_scale = not self.loss_chart.log_scale

@@ -34,15 +34,19 @@ from .usage import (
 if TYPE_CHECKING:
     from dpengine.run.protocol import Run, RunFactory
 
+    from .run_figures import FiguresWatch
+
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 130, 143
 
 # `dptui NAME ...`: each subcommand parses its own arguments in its module's main(argv).
-SUBCOMMANDS = {"run": "tui.script.cli", "view": "tui.view.cli"}
+SUBCOMMANDS = {"run": "tui.script.cli", "view": "tui.view.cli", "compare": "tui.compare.cli"}
 SUBCOMMAND_HELP = """subcommands:
   dptui run [OPTIONS] (SCRIPT.py | -m MODULE) [ARGS...]
                         watch your own, unchanged training script (dptui run --help)
   dptui view LOG.jsonl  open a recorded run (--log FILE, or --headless --json output);
                         --follow keeps reading it, --headless prints a per-device summary
+  dptui compare A B     two runs side by side (logs or --summary files): what changed beyond
+                        the noise, and where; --max-regression PCT exits 1 past it, for CI
 """
 
 
@@ -86,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--every", type=whole_number("--every", 0), default=1, metavar="N",
                         help="headless text: print the per-step lines for every Nth step only (0: none)")
     parser.add_argument("--log", metavar="FILE", help="write the event stream as JSON Lines to FILE")
+    parser.add_argument("--summary", metavar="FILE",
+                        help="at the end, write the run's figures for dptui compare (a small JSON file, for CI)")
     parser.add_argument("--trace", metavar="FILE",
                         help="write each run as a trace Perfetto and chrome://tracing open (Chrome trace JSON)")
     parser.add_argument("--checkpoint", metavar="PATH",
@@ -136,6 +142,8 @@ def check_args(argv: Sequence[str] | None) -> Settings:
         check_checkpoint_path(args.checkpoint)
     if args.log:
         check_log_path(args.log)
+    if args.summary:
+        check_log_path(args.summary, "--summary")
     if args.trace:
         check_log_path(args.trace, "--trace")
     return Settings(args=args, devices=devices, note=note)
@@ -217,7 +225,8 @@ def _check_workload(args: argparse.Namespace, seed: int, resume) -> None:
             raise UsageError(f"--resume {error}") from None
 
 
-def run_headless(settings: Settings, factory: RunFactory, log: _EventLog | None = None) -> int:
+def run_headless(settings: Settings, factory: RunFactory, log: _EventLog | None = None,
+                 figures: FiguresWatch | None = None) -> int:
     from dpengine.eventlog.events import RunFailed
     from dpengine.eventlog.writer import JsonLinesWriter
 
@@ -240,6 +249,9 @@ def run_headless(settings: Settings, factory: RunFactory, log: _EventLog | None 
         # Output piped into e.g. `head`, which has read enough: not an error of ours.
         silence_stdout()
         return EXIT_OK
+    if figures is not None and not args.json:
+        for line in figures.advice_lines():
+            print(line, flush=True)
     if isinstance(result, RunFailed) or (log is not None and log.failed):
         return EXIT_FAILED
     return _signal_exit_status(stopped_by())
@@ -391,13 +403,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     from dpengine.run.exit_now import exit_now  # now: a second Ctrl-C should not wait on an import
 
+    from .run_figures import FiguresWatch
+
     trace = _trace_file(settings.args.trace)
     if trace is not None:
         factory = _traced(factory, trace)
+    figures = FiguresWatch()
+    factory = figures.watching(factory)
     try:
         with _LogFile(settings.args.log) as log:
             if settings.args.headless:
-                code = run_headless(settings, factory, log)
+                code = run_headless(settings, factory, log, figures)
             else:
                 from .app import run_app
 
@@ -409,6 +425,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     if log.failed:
                         print(log.error, file=sys.stderr)
                     code = EXIT_FAILED if code == EXIT_OK and log.failed else code
+        if not figures.write(settings.args.summary, "dptui") and code == EXIT_OK:
+            code = EXIT_FAILED
         return _close_trace(trace, code)
     except UsageError as error:  # a FIFO --log that nothing reads: found when opening it
         print(f"dptui: error: {error}", file=sys.stderr)

@@ -80,7 +80,12 @@ class Session:
         return deadline() if callable(deadline) else None
 
     def set_batch_size(self, n: int) -> str | None:
+        """None once asked, else why not; a batch past the dataset is capped at it, and said so."""
         refused = "The batch size must be at least 1." if n < 1 else None
+        samples = self.view.dataset_size()
+        if refused is None and samples is not None and n > samples:
+            said = self._steer(lambda run: run.set_batch_size(samples), batch_size=samples)
+            return said or f"Batch {n} capped at {samples}: the dataset has {samples} samples, each step all of them."
         return self._steer(lambda run: run.set_batch_size(n), refused, batch_size=n)
 
     def scale_batch_size(self, factor: float) -> str | None:

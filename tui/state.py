@@ -14,6 +14,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from dpengine.compare.figures import RunFigures
 from dpengine.eventlog.events import (
     ConfigChanged,
     EpochFinished,
@@ -45,6 +46,7 @@ EMA_ALPHA = 0.2
 HISTORY_POINTS = 240  # loss and throughput; a Sparkline folds them to its width
 STEP_POINTS = 60  # per-device step times
 LOG_EVERY_S = 1.0  # model lines of one step a second: each log line costs the UI's CPU
+BALANCER_LOG_EVERY_S = 10.0  # auto-balance adjusts often on a noisy machine: the log says it now and then
 EPOCH_LOG_EVERY_S = 0.5  # fast epochs would drown everything else
 MAX_PENDING_LOG = 500  # lines kept while the UI is not pulling (bounded memory)
 
@@ -177,6 +179,9 @@ class RunView:
         self._rank_steps = RankSteps()  # DDP ranks' last steps, for the timeline
         self._step_phases: StepPhases | None = None
         self._input_bound = InputBoundWatch()
+        self._figures = RunFigures()  # every step's figures, for the advice (dpengine.compare)
+        self._balancer_logged: float | None = None  # when the log last said an auto-balance change
+        self._balancer_unsaid = 0
 
     # -- fed by the trainer's threads -------------------------------------------------
 
@@ -186,6 +191,7 @@ class RunView:
             self._version += 1
             self._handle(event)
             self._rank_steps.feed(event)
+            self._figures.feed(event)
 
     def _handle(self, event: Event) -> None:
         """One event, with the lock held. A view of another kind of run (`dptui run`'s) handles
@@ -211,6 +217,8 @@ class RunView:
         self._devices = tuple(config.devices)
         self._per_device = {d: _Device() for d in config.available_devices}
         self._step_phases, self._input_bound = None, InputBoundWatch()
+        self._figures = RunFigures()
+        self._figures.feed(event)
         self._event(text.started_log_line(config) if line is None else line)
 
     def _on_step(self, event: StepFinished) -> None:
@@ -275,8 +283,21 @@ class RunView:
         self._balance = event.balance
         if self._answers(event.request, "balance"):
             self._pending_balance = None
+        if event.by_balancer:
+            # The balancer's own changes: one line per BALANCER_LOG_EVERY_S at most, counting the rest.
+            now = self._clock()
+            if self._balancer_logged is not None and now - self._balancer_logged < BALANCER_LOG_EVERY_S:
+                self._balancer_unsaid += 1
+                return
+            self._balancer_logged = now
+            line = text.split_line(event)
+            if self._balancer_unsaid:
+                line += f" ({self._balancer_unsaid} adjustment{'' if self._balancer_unsaid == 1 else 's'} before it unsaid)"
+            self._balancer_unsaid = 0
+        else:
+            line = text.split_line(event)
         self._last_logged = None  # show the new split in the log at once
-        self._event(text.split_line(event))
+        self._event(line)
 
     def _on_finished(self, event: RunFinished) -> None:
         what = "stopped" if event.stopped else "finished"
@@ -365,6 +386,11 @@ class RunView:
         with self._lock:
             return self._pending_batch or self._batch_size
 
+    def dataset_size(self) -> int | None:
+        """The samples an epoch has (None: not known, as for a script's own loop)."""
+        with self._lock:
+            return self._config.samples if self._config is not None and self._config.samples > 0 else None
+
     def target_devices(self) -> tuple[str, ...]:
         with self._lock:
             return self._pending_devices if self._pending_devices is not None else self._devices
@@ -409,6 +435,11 @@ class RunView:
     def version(self) -> int:
         with self._lock:
             return self._version
+
+    def figures(self) -> RunFigures:
+        """A copy of the run's figures so far, to judge off the training thread (a memcpy under the lock)."""
+        with self._lock:
+            return self._figures.copy()
 
     def take_log(self) -> tuple[LogLine, ...]:
         """The log lines since the last call (each is handed over once)."""

@@ -1,8 +1,11 @@
 """One step as rows of spans on a shared ms axis: what the timeline draws, without Textual.
 
 A DataParallel step gives a row per replica: the engine's scatter and replicate (shared by
-every replica), the replica's forward, its wait for the slowest replica before the gather,
-the gather, and its backward. Under `dptui run` the script's own phases around the step come
+every replica), the replica's forward, its wait for the replica whose forward ended last (up to
+that end: what follows before the gather is the engine's hand-off, which every replica waits
+for alike; and "started late" when that replica ended last for starting after this one more
+than for running longer: its worker got the interpreter last, it is not slow), the gather,
+and its backward. Under `dptui run` the script's own phases around the step come
 too, shared by every replica: its data (the wait for input since the previous step, before the
 forward) and its optimizer steps after the backward. (A backward's end is not labelled as a wait: on CPU devices one
 autograd thread runs the replicas' backwards one after another, so who ends last says who was
@@ -63,10 +66,11 @@ class Timeline:
     rows: tuple[Row, ...]
     span_ms: float  # the axis runs from 0 to this
     approximate: bool  # some phase had no start time: laid end to end
+    name: str = ""  # the title, where it is not one step's (dptui compare's median steps)
 
     @property
     def title(self) -> str:
-        return f"timeline · step {self.step}"
+        return self.name or f"timeline · step {self.step}"
 
 
 def duration_text(value: float) -> str:
@@ -89,6 +93,13 @@ def _recorded(value: float | None) -> float | None:
 
 def _wait(start: float, duration: float, whom: str) -> Span:
     return Span("wait", start, duration, f"waits {_ms(duration)} for {whom}", "wait")
+
+
+def _late_or_slow(forwards: dict[int, float], durations: dict[int, float], waiter: int, last: int) -> str:
+    """Why `last` ended after `waiter`: it started later by more than it ran longer."""
+    started_later = forwards[last] - forwards[waiter]
+    ran_longer = durations[last] - durations[waiter]
+    return " (started late)" if started_later > ran_longer else ""
 
 
 def _span_of(rows: Sequence[Row], at_least: float) -> float:
@@ -126,8 +137,9 @@ def dp_timeline(step: int, record: StepRecord) -> Timeline:
                      if r.backward_ms is not None}
     span = max([record.total_ms, gather_end, *backward_ends.values()])
     min_wait = MIN_WAIT_FRACTION * span
-    slowest_forward = max(forward_ends, key=forward_ends.__getitem__, default=None)
+    last_forward = max(forward_ends, key=forward_ends.__getitem__, default=None)
     devices = {r.index: r.device for r in record.replicas}
+    durations = {r.index: r.forward_ms for r in record.replicas}
 
     # The script's phases (`dptui run`): its wait for input before the step, its optimizer after it.
     data, optimizer = _recorded(record.data_ms), _recorded(record.optimizer_ms)
@@ -142,9 +154,10 @@ def dp_timeline(step: int, record: StepRecord) -> Timeline:
             _phase("replicate", replicate, record.replicate_ms, "repl", shared=True),
             _phase("forward", forwards[i], replica.forward_ms, "fwd"),
         ]
-        waited = gather - forward_ends[i]
-        if i != slowest_forward and waited >= min_wait:
-            spans.append(_wait(forward_ends[i], waited, devices[slowest_forward]))
+        waited = min(gather, forward_ends[last_forward]) - forward_ends[i]
+        if i != last_forward and waited >= min_wait:
+            why = _late_or_slow(forwards, durations, i, last_forward)
+            spans.append(_wait(forward_ends[i], waited, devices[last_forward] + why))
         spans.append(_phase("gather", gather, record.gather_ms, shared=True))
         if i in backwards:
             spans.append(_phase("backward", backwards[i], replica.backward_ms, "bwd"))
@@ -197,3 +210,22 @@ def ddp_timeline(ranks: Sequence[RankStepFinished]) -> Timeline:
         rows.append(Row(f"rank {rank.rank}", tuple(spans)))
     step = ranks[0].step if ranks else 0
     return Timeline(step, tuple(rows), _span_of(rows, 0.0), not exact)
+
+
+# -- two runs' median steps (dptui compare) ---------------------------------------------------
+
+
+def median_steps_timeline(phases: Sequence[str], medians: Sequence[tuple[str, Sequence[float | None]]]) -> Timeline:
+    """A row per run (`medians`: its name and each phase's median step time, in `phases`' order),
+    the phases laid end to end on one axis: where two runs' steps differ, at a glance."""
+    rows = []
+    for name, values in medians:
+        spans, at = [], 0.0
+        for phase, value in zip(phases, values):
+            if value is not None and math.isfinite(value) and value > 0:
+                spans.append(_phase(phase, at, value, {"forward": "fwd", "backward": "bwd", "optimizer": "opt",
+                                                       "comm_wait": "comm"}.get(phase)))
+                at += value
+        rows.append(Row(name, tuple(spans)))
+    return Timeline(0, tuple(rows), _span_of(rows, 0.0), approximate=False,
+                    name="median step, phases end to end")

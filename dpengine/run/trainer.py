@@ -8,6 +8,7 @@ optimizer state carry over, and the epoch goes on at the new batch size.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Sequence
@@ -209,16 +210,23 @@ class Trainer(TrainerBase, EpochLoop):
         if self._devices[0].type == "cuda":
             inputs = to_device(inputs, self._devices[0])
             targets = to_device(targets, self._devices[0])
+        forward_started = time.perf_counter()
         output = self._dp(inputs)
         loss = self.workload.loss_fn(output, targets)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         loss_value = loss.item()
         check_loss(loss_value, run.step + 1, run.epoch)  # before the step: the weights stay finite
+        optimizer_started = time.perf_counter()
         optimizer.step()
-        seconds = time.perf_counter() - step_started
+        step_ended = time.perf_counter()
+        seconds = step_ended - step_started
         run.after_step(len(indices), loss_value)
         record = self._dp.last_step
+        if record is not None:  # the step's phases, as `dptui run` records a script's (eventlog.phases)
+            record = dataclasses.replace(record, data_ms=(forward_started - step_started) * 1000.0,
+                                         optimizer_ms=(step_ended - optimizer_started) * 1000.0,
+                                         optimizer_start_ms=(optimizer_started - forward_started) * 1000.0)
         if record is not None and record.balanced and record.split_weights != self._split_weights:
             self._split_weights = record.split_weights
             self._publish(SplitChanged(run.step, "auto", record.split_weights, by_balancer=True))

@@ -8,7 +8,9 @@ A DataParallel step stays one forward and its backward, as the engine records it
 A step's end is its backward's end, or the last optimizer step after it; where the first optimizer
 step began (optimizer_start_ms, for the step timeline) is on the host clock, from the forward's start.
 The same hooks as a DDP rank's phase clock (training_hooks.py) feed it. A finished step is held until its optimizer time
-is known: until the next DataParallel forward begins, or the script ends.
+is known: until the next DataParallel forward begins, or the script ends; or, when neither comes,
+HELD_AT_MOST_S after it was held with no optimizer step running: a script killed then (SIGKILL, the
+OOM killer, a crash in C code) would have lost its last step, the one a user most needs to see.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from ..records import StepRecord
 from .training_hooks import LossReading, read_loss
 
+HELD_AT_MOST_S = 0.05
 Key = tuple[str, int]  # (instance label, its step number)
 Post = Callable[[str, StepRecord, float | None], None]
 
@@ -39,7 +42,10 @@ class DpPhases:
         self._loss: dict[Key, LossReading] = {}
         self._after_backward: dict[str, int] = {}  # instance -> its step whose backward is done, before a forward
         self._in_backward: list[Key] = []  # steps whose backward ran in the backward call in progress
-        self._held: list[tuple[str, StepRecord]] = []
+        self._held: list[tuple[str, StepRecord, float]] = []  # and when each was held
+        self._woken = threading.Condition(self._lock)
+        self._watching = False  # the watcher waits for the oldest held step's time: no need to wake it
+        self._watcher: threading.Thread | None = None
         self._reading: LossReading | None = None
         self._optimizer_began: float | None = None
 
@@ -65,19 +71,25 @@ class DpPhases:
     def hold(self, instance: str, record: StepRecord) -> None:
         """A finished step: out once its optimizer time is known."""
         with self._lock:
-            self._held.append((instance, record))
+            self._held.append((instance, record, time.monotonic()))
+            if not self._watching:
+                self._watching = True
+                if self._watcher is None:
+                    self._watcher = threading.Thread(target=self._watch_held, name="dptui-held-steps", daemon=True)
+                    self._watcher.start()
+                self._woken.notify()
 
-    def release(self, wait: bool = False) -> None:
-        """Post the held steps (whose loss is read, unless `wait`: the script has ended)."""
+    def release(self, wait: bool = False) -> int:
+        """Post the held steps (whose loss is read, unless `wait`: the script has ended); how many."""
         with self._lock:
             held, self._held = self._held, []
             keep = []
             out = []
-            for instance, record in held:
+            for instance, record, since in held:
                 key = (instance, record.step)
                 reading = self._loss.get(key)
                 if reading is not None and not wait and not reading.ready():
-                    keep.append((instance, record))  # a CUDA loss still being copied: next time
+                    keep.append((instance, record, since))  # a CUDA loss still being copied: next time
                     continue
                 self._loss.pop(key, None)
                 self._began.pop(key, None)
@@ -88,6 +100,23 @@ class DpPhases:
             self._held = keep
         for instance, record, reading in out:
             self._post(instance, record, None if reading is None else reading.value())
+        return len(out)
+
+    def _watch_held(self) -> None:
+        """Release steps held HELD_AT_MOST_S with no optimizer step running and no forward since.
+        Wakes once per HELD_AT_MOST_S at most while steps come, never per step."""
+        while True:
+            with self._lock:
+                while not self._held:
+                    self._watching = False
+                    self._woken.wait()
+                due = self._held[0][2] + HELD_AT_MOST_S - time.monotonic()
+                if due > 0 or self._optimizer_began is not None:
+                    self._woken.wait(due if due > 0 else HELD_AT_MOST_S)
+                    continue
+            if not self.release():  # a loss still being copied: look again later
+                with self._lock:
+                    self._woken.wait(HELD_AT_MOST_S)
 
     # -- training_hooks listener ---------------------------------------------------------
 

@@ -53,7 +53,7 @@ def main() -> None:
 
         ddp_swap.install(lambda clock: rank_steps(link, clock), link.notice)
         on_process_group(lambda said: link.post({"type": "process_group", "rank": link.rank, **said}))
-    from .bootstrap import run_script
+    from .run_program import run_script
 
     run_script(argv, lambda exit_code, error: script_ended(link, exit_code, error))
 
@@ -127,7 +127,7 @@ def script_ended(link, exit_code: int, error: BaseException | None) -> None:
     if error is None:
         link.script_finished(exit_code)
     else:
-        from .bootstrap import user_frames
+        from .run_program import user_frames
 
         # The script's frames only, as on its stderr: none of the bootstrap's or runpy's.
         text = "".join(traceback.format_exception(type(error), error, user_frames(error.__traceback__)))

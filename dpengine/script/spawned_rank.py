@@ -59,7 +59,7 @@ def install_in_started_rank() -> None:
     exit_with, excepthook = sys.exit, sys.excepthook
 
     def exit(status=None):
-        from .bootstrap import exit_status
+        from .run_program import exit_status
 
         said_status[0] = exit_status(SystemExit(status))
         exit_with(status)
@@ -174,7 +174,7 @@ def _watched(wrap):
 
 
 def _run(fn, *args):
-    from .bootstrap import exit_status
+    from .run_program import exit_status
 
     try:
         fn(*args)

@@ -29,6 +29,8 @@ from typing import Any
 import psutil
 import torch
 
+from .. import cuda_memory
+from ..cuda_memory import keep_users_view
 from ..eventlog.events import RankStepFinished
 from .training_hooks import LossReading, read_loss
 
@@ -59,14 +61,16 @@ class HostClock:
 
 
 class CudaClock:
-    """A GPU rank's clock: a mark is a CUDA event on the current stream."""
+    """A GPU rank's clock: a mark is a CUDA event on its device's current stream (not the current
+    device's: a script may `model.to(rank)` without `torch.cuda.set_device`)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        keep_users_view()  # each step resets the peaks: the script's own readings must not see it
 
     def mark(self) -> torch.cuda.Event:
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))
         return event
 
     def ms(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
@@ -79,9 +83,8 @@ class CudaClock:
         mark.synchronize()  # only when the script has ended
 
     def memory(self) -> tuple[int | None, int | None]:
-        allocated = torch.cuda.memory_allocated(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)  # the next step's own peak
+        allocated, peak = cuda_memory.allocated(self.device)
+        cuda_memory.KEEPER.step_reset(self.device.index)  # the next step's own peak
         return allocated, peak
 
 

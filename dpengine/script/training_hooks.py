@@ -88,7 +88,9 @@ class LossReading:
             self._copy = torch.empty((), dtype=loss.dtype, pin_memory=True)
             self._copy.copy_(loss.reshape(()), non_blocking=True)
             self._event = torch.cuda.Event()
-            self._event.record()
+            # On the loss's own device's stream, where the copy runs: the current device's may be
+            # another GPU's (DataParallel on device_ids=[1, ...], DDP without set_device).
+            self._event.record(torch.cuda.current_stream(loss.device))
         else:
             self._value = float(loss)
 

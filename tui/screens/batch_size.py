@@ -5,8 +5,22 @@ from __future__ import annotations
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
+from textual.message import Message
 from textual.screen import ModalScreen
 from textual.widgets import Input, Label, Static
+
+REFUSED_CHARACTER = "Digits only: the batch size is a whole number, e.g. 64."
+
+
+class WholeNumberInput(Input):
+    """An integer field that says why a typed character did not appear (Textual only rings the bell)."""
+
+    class Refused(Message):
+        pass
+
+    def restricted(self) -> None:
+        super().restricted()
+        self.post_message(self.Refused())
 
 
 class BatchSizeScreen(ModalScreen[int | None]):
@@ -21,7 +35,7 @@ class BatchSizeScreen(ModalScreen[int | None]):
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog"):
             yield Static("[b]Global batch size[/b]", classes="title")
-            yield Input(
+            yield WholeNumberInput(
                 value="" if self._current is None else str(self._current),
                 type="integer",
                 placeholder="e.g. 64",
@@ -29,6 +43,12 @@ class BatchSizeScreen(ModalScreen[int | None]):
             )
             yield Label("", id="batch-error", classes="error")
             yield Static("enter applies at the next step, escape cancels", classes="hint")
+
+    def on_whole_number_input_refused(self, event: WholeNumberInput.Refused) -> None:
+        self.query_one("#batch-error", Label).update(REFUSED_CHARACTER)
+
+    def on_input_changed(self, event: Input.Changed) -> None:
+        self.query_one("#batch-error", Label).update("")
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
         event.stop()

@@ -5,14 +5,17 @@ from __future__ import annotations
 from rich.table import Table
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Vertical
+from textual.containers import Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
-NOTES = (
-    "Changes show as pending in the status bar and take effect at the next step.\n"
-    "Keys 1-9 take device N (as numbered on its panel) in or out of the run."
-)
+NOTES = "\n".join((
+    "Changes show as pending in the status bar and take effect at the next step.",
+    "Keys 1-9 take device N (as numbered on its panel) in or out of the run.",
+    "In a panel, fwd 0.412 ms ~0.398: the last step's time, then (~) its moving average.",
+    "Under auto-balance the status bar's 0.730 ms, even ~0.519: the slowest replica's time, and what an "
+    "even split would take, predicted; with ? the times fit the prediction badly: a guess.",
+))
 
 
 class HelpScreen(ModalScreen[None]):
@@ -34,6 +37,7 @@ class HelpScreen(ModalScreen[None]):
             table.add_row(key, "; ".join(texts))
         with Vertical(classes="dialog"):
             yield Static("[b]dptui keys[/b]", classes="title")
-            yield Static(table)
-            yield Static(NOTES, classes="note")
-            yield Static("escape closes", classes="hint")
+            with VerticalScroll(classes="help-body"):  # a short terminal scrolls it; the hint stays
+                yield Static(table)
+                yield Static(NOTES, classes="note")
+            yield Static("escape closes · up/down scroll", classes="hint")

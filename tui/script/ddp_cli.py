@@ -13,12 +13,13 @@ import sys
 from collections.abc import Sequence
 
 from ..usage import EXIT_USAGE, Parser, UsageError, check_json_output, number, open_log
-from .cli import DDP_USAGE, _json_lines, _run_app, _run_headless, add_grace, parse_target
 from .ddp_launch import DdpLaunch, parse_launch, split_options
 from .ddp_run import DdpRun
+from .run_args import DDP_USAGE, add_grace, add_summary, parse_target
+from .run_output import json_lines, run_app, run_headless, watch_figures
 
 # dptui's own options here, each with whether it takes a value; every other option is torchrun's.
-OPTIONS = {"--headless": False, "--json": False, "--log": True, "--grace": True, "--telemetry-interval": True,
+OPTIONS = {"--headless": False, "--json": False, "--log": True, "--summary": True, "--grace": True, "--telemetry-interval": True,
            "--no-telemetry": False, "-h": False, "--help": False}
 
 
@@ -39,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help='with --headless: JSON Lines events on stdout, the ranks\' output as {"type": '
                         '"output", "rank": R, ...} events')
     parser.add_argument("--log", metavar="FILE", help="write the run's events as JSON Lines to FILE")
+    add_summary(parser)
     parser.add_argument("--telemetry-interval", type=number("telemetry interval", at_least=0.2),
                         default=1.0, metavar="S", help="seconds between samples of each rank's device or "
                         "process, >= 0.2 (default 1)")
@@ -51,7 +53,7 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, DdpLaunch]:
     ours, torchrun, rest = split_options(argv, OPTIONS)
     args = build_parser().parse_args(ours)
     check_json_output(args)
-    target = parse_target(rest, args.log, None)
+    target = parse_target(rest, args.log, None, args.summary)
     launch = parse_launch(torchrun, target)
     if launch.several_nodes and launch.node_rank != 0 and not args.headless:
         raise UsageError(f"--node-rank {launch.node_rank}: nodes other than 0 run headless (add --headless); "
@@ -71,14 +73,17 @@ def main(argv: Sequence[str]) -> int:
     run = DdpRun(launch, capture_output=capture, grace_s=args.grace,
                  pass_stderr_to=None if capture else sys.stderr.buffer,
                  telemetry_interval=None if args.no_telemetry else args.telemetry_interval)
+    figures = watch_figures(run)
     try:
         if log is not None:
-            run.subscribe(_json_lines(log))
+            run.subscribe(json_lines(log))
         if not args.headless:
-            code = _run_app(run)
+            code = run_app(run)
             return run.exit_code if run.exit_code is not None else code
-        return _run_headless(run, json_out=args.json, stop=run.stop)  # through torchrun, to every rank
+        # through torchrun, to every rank
+        return run_headless(run, json_out=args.json, stop=run.stop, figures=figures)
     finally:
         run.kill()  # never leave torchrun or a rank behind, whatever happened here
+        figures.write(args.summary, "dptui run")
         if log is not None:
             log.close()

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from dpengine.script.rank_wire import BOOTSTRAP_MODULE
 
 from ..usage import UsageError
-from .script_run import ScriptTarget
+from .target import ScriptTarget
 
 NPROC_FLAGS = ("--nproc-per-node", "--nproc_per_node")
 # How torchrun marks each line of a rank's output with the rank (--tee and this template): its global rank.

@@ -15,11 +15,9 @@ import math
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import IO, Any
 
 from dpengine.eventlog.events import (
@@ -44,25 +42,9 @@ from .output_lines import OutputLines, read_lines
 from .quiet_tty import QuietTty
 from .rank_hub import RankHub
 from .stopping import GRACE_S, escalate, signal_group
+from .target import ScriptTarget
 
 BATCH_OWNED = "The script owns its batch size: change it in the script."
-
-
-@dataclass(frozen=True)
-class ScriptTarget:
-    """`dptui run PATH ARGS` or `dptui run -m MODULE ARGS`."""
-
-    program: str  # a path, or a module name when `module`
-    args: tuple[str, ...] = ()
-    module: bool = False
-
-    @property
-    def label(self) -> str:
-        return f"-m {self.program}" if self.module else os.path.basename(self.program)
-
-    def bootstrap_argv(self) -> list[str]:
-        head = ["-m", self.program] if self.module else [self.program]
-        return [sys.executable, "-m", "dpengine.script.bootstrap", *head, *self.args]
 
 
 class ScriptRun(Publisher):

@@ -35,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--headless", action="store_true",
                         help="print a per-device summary: chunks, mean forward and backward ms, peak memory "
                         "(a DDP run's: per rank, mean ms per phase, loss, and the straggler verdicts seen)")
+    parser.add_argument("--summary", metavar="OUT.json",
+                        help="write the run's summary file for dptui compare (what --summary writes at a run's end)")
     parser.add_argument("--trace", metavar="OUT.json",
                         help="write the run as a trace Perfetto (ui.perfetto.dev) and chrome://tracing open: "
                         "a track per replica or rank, an event per phase per step")
@@ -99,16 +101,35 @@ def print_summary(recording: RecordedRun, out: IO[str]) -> int:
     from dpengine.eventlog.reader import LogNote
     from dpengine.eventlog.summary import RunSummary
 
-    summary = RunSummary()
+    from ..run_figures import FiguresWatch
+
+    summary, figures = RunSummary(), FiguresWatch()
     recording.subscribe(summary.feed)
+    recording.subscribe(figures.figures)
     recording.subscribe(lambda e: _say(e.text) if isinstance(e, LogNote) else None)
     code = EXIT_OK
     try:
         recording.run()
     except KeyboardInterrupt:  # while following: the summary of what was read
         code = EXIT_INTERRUPTED
-    out.write("\n".join(summary_lines(summary, recording.skipped)) + "\n")
+    out.write("\n".join(summary_lines(summary, recording.skipped) + figures.advice_lines()) + "\n")
     return code
+
+
+def write_summary_file(recording: RecordedRun, out: str) -> int:
+    """The log's summary file, as `--summary` writes it at a run's end; one line on stderr says so."""
+    from ..run_figures import FiguresWatch
+
+    figures = FiguresWatch()
+    recording.subscribe(figures.figures)
+    try:
+        recording.run()
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    if not figures.write(out, "dptui view"):
+        return EXIT_FAILED
+    _say(f"{figures.figures.steps} steps summarised in {out}")
+    return EXIT_OK
 
 
 def write_trace(log: str, out: str) -> int:
@@ -140,6 +161,9 @@ def main(argv: Sequence[str]) -> int:
         if args.trace:
             check_log_path(args.trace, "--trace")
             return write_trace(args.log, args.trace)
+        if args.summary:
+            check_log_path(args.summary, "--summary")
+            return write_summary_file(RecordedRun(args.log, follow=args.follow, stop_at_end=True), args.summary)
         if args.headless:
             # Following ends with the run; the UI follows until quit (a log may go on with a restarted run).
             return print_summary(RecordedRun(args.log, follow=args.follow, stop_at_end=True), sys.stdout)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 
+from dpengine.compare.figures import RunFigures
 from dpengine.eventlog.events import RunFailed, StepFinished
 from dpengine.eventlog.index import LogIndex
 from dpengine.eventlog.reader import LogNote
@@ -189,6 +190,13 @@ class ReplayView:
         with self._lock:
             self._sync()
             return self._shown.take_log()
+
+    def figures(self) -> RunFigures:
+        """The figures of the steps the screen holds (the last HISTORY_POINTS up to the shown
+        one): the UI's advice speaks of what is on the screen; `dptui view --headless`, of the run."""
+        with self._lock:
+            self._sync()
+            return self._shown.figures()
 
     def snapshot(self) -> Snapshot:
         """The shown step's snapshot; the status says it is a recording and which step it is."""

@@ -7,21 +7,17 @@ from rich.text import Text
 
 from .. import format as fmt
 from ..state import DeviceView
+from .panel_line import LABEL_WIDTH, missing_value, panel_line
 from .spark import spark_rows
 from .text_lines import TextLines
 
-LABEL_WIDTH = 5
 BAR_COMPLETE = "bar.complete"  # Rich's own progress-bar styles: the look of its ProgressBar
 BAR_BACK = "bar.back"
 
 
-def _line(label: str, *parts: Text | str) -> Text:
-    return Text.assemble((f"{label:<{LABEL_WIDTH}} ", "dim"), *parts, no_wrap=True, overflow="ellipsis")
-
-
 def _bar_line(label: str, value: str | Text, total: float, completed: float, width: int) -> Text:
     """label, value, then a bar over the rest of the width (drawn as Rich's ProgressBar draws it)."""
-    line = _line(label, value, " ")
+    line = panel_line(label, value, " ")
     room = max(width - line.cell_len, 0)
     halves = int(2 * room * min(max(completed / max(total, 1), 0.0), 1.0))
     full, half = divmod(halves, 2)
@@ -38,36 +34,31 @@ def _timing(last: float | None, smoothed: float | None) -> Text:
     return Text.assemble(f"{fmt.ms(last)} ms ", (f"~{fmt.ms(smoothed)}", "dim"))
 
 
-def _missing(view: DeviceView, name: str) -> Text:
-    reason = view.sample.missing.get(name, "n/a") if view.sample else "n/a"
-    return Text(f"n/a ({reason})", style="dim")
-
-
 def _telemetry_lines(view: DeviceView, width: int) -> list[Text]:
     """Utilisation first: a short terminal shows a panel's first lines only."""
     sample = view.sample
     if sample is None:
-        return [_line("telem", Text("no sample yet", style="dim"))]
+        return [panel_line("telem", Text("no sample yet", style="dim"))]
     if sample.lost or "device" in sample.missing:
-        return [_line("telem", Text(sample.missing.get("device", "device lost"), style="bold red"))]
+        return [panel_line("telem", Text(sample.missing.get("device", "device lost"), style="bold red"))]
     util = Text(f"{sample.utilization_pct:.0f}%") if sample.utilization_pct is not None else None
     if view.device.startswith("cpu"):
         # One process hosts every virtual device: memory is its RSS, no sensors to show, and
         # a device without a replica thread would only echo the whole process's CPU figure.
-        lines = [_line("cpu", util or _missing(view, "utilization_pct"))] if view.active else []
-        return [*lines, _line("rss", fmt.size(sample.memory_used_bytes))]
+        lines = [panel_line("cpu", util or missing_value(view, "utilization_pct"))] if view.active else []
+        return [*lines, panel_line("rss", fmt.size(sample.memory_used_bytes))]
     temperature, power = sample.temperature_c, sample.power_w
-    lines = [_line(
+    lines = [panel_line(
         "util",
-        util or _missing(view, "utilization_pct"), " ",
-        Text(f"{temperature:.0f}°C") if temperature is not None else _missing(view, "temperature_c"), " ",
-        Text(f"{power:.0f} W") if power is not None else _missing(view, "power_w"),
+        util or missing_value(view, "utilization_pct"), " ",
+        Text(f"{temperature:.0f}°C") if temperature is not None else missing_value(view, "temperature_c"), " ",
+        Text(f"{power:.0f} W") if power is not None else missing_value(view, "power_w"),
     )]
     if sample.memory_used_bytes is not None and sample.memory_total_bytes:
         used = fmt.sizes(sample.memory_used_bytes, sample.memory_total_bytes, "/")
         lines.append(_bar_line("used", used, sample.memory_total_bytes, sample.memory_used_bytes, width))
     else:
-        lines.append(_line("used", _missing(view, "memory_used_bytes")))
+        lines.append(panel_line("used", missing_value(view, "memory_used_bytes")))
     return lines
 
 
@@ -80,15 +71,18 @@ def body_lines(view: DeviceView, width: int) -> list[Text]:
             share.append(" auto", "bold magenta")
         chunk = _bar_line("chunk", share, view.step_batch, view.chunk, width)
     else:
-        chunk = _line("chunk", Text("not in the last step" if view.active else "not in the run", style="dim"))
+        chunk = panel_line("chunk", Text("not in the last step" if view.active else f"off: key {view.index + 1} adds it",
+                                    style="dim"))
     if view.peak_memory_bytes is not None and view.memory_bytes is not None:
-        memory = _line("alloc", fmt.sizes(view.memory_bytes, view.peak_memory_bytes, " pk "))
+        memory = panel_line("alloc", fmt.sizes(view.memory_bytes, view.peak_memory_bytes, " pk "))
     else:
-        memory = _line("saved", fmt.size(view.memory_bytes))  # CPU: bytes saved for backward
+        memory = panel_line("saved", fmt.size(view.memory_bytes))  # CPU: bytes saved for backward
+    # A device out of the run has no step times: its last ones would read as live.
+    timed = view.active or bool(view.ended)
     return [
         chunk,
-        _line("fwd", _timing(view.forward_ms, view.forward_ema)),
-        _line("bwd", _timing(view.backward_ms, view.backward_ema)),
+        panel_line("fwd", _timing(view.forward_ms, view.forward_ema) if timed else Text("–")),
+        panel_line("bwd", _timing(view.backward_ms, view.backward_ema) if timed else Text("–")),
         *_telemetry_lines(view, width),
         memory,
     ]
@@ -98,10 +92,10 @@ def steps_line(view: DeviceView, width: int, style: Style | str = "") -> Text:
     """The replica's recent step times (forward + backward) as a sparkline, then its scale: the
     highest bar's time (the sparkline's bars are scaled from its lowest to its highest)."""
     if not view.step_ms:
-        return _line("step")
+        return panel_line("step")
     peak = f" {fmt.ms(max(view.step_ms))} ms"
     room = max(width - LABEL_WIDTH - 1 - len(peak), 0)
-    return _line("step", Text(spark_rows(view.step_ms, room)[0], style=style), (peak, "dim"))
+    return panel_line("step", Text(spark_rows(view.step_ms, room)[0], style=style), (peak, "dim"))
 
 
 class DevicePanel(TextLines):

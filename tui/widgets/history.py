@@ -26,7 +26,9 @@ class HistoryChart(TextLines):
     """Redrawn in place (a repaint, never a layout) each time the history grows.
 
     The chart folds the whole history (means per column) into the width it has; the axis
-    labels are the highest and lowest columns drawn.
+    labels are the highest and lowest columns drawn, and the title's `~` figure is its last
+    column: the same means, so the title always lies within the axis (the last step's own value
+    is the status bar's; one step's loss may lie far outside the means around it).
     """
 
     COMPONENT_CLASSES = {"historychart--title", "historychart--chart", "historychart--axis"}
@@ -67,7 +69,16 @@ class HistoryChart(TextLines):
         title_style = self.get_component_rich_style("historychart--title")
         chart_style = self.get_component_rich_style("historychart--chart")
         axis_style = self.get_component_rich_style("historychart--axis")
-        title = Text(f"{self._title} {self._latest}" + (" (log)" if self._log else ""), style=title_style,
+        values = [v for v in self._data if math.isfinite(v) and (v > 0 or not self._log)]
+        points: list[float] = []
+        label_width = 0
+        if values:
+            # The y labels take a column of their own: the chart gets the rest.
+            rough = columns(values, width)
+            label_width = max(len(self._number(min(rough))), len(self._number(max(rough)))) + 1
+            points = columns(values, max(width - label_width, 1))
+        figure = f"~{self._number(points[-1])}" if points else self._latest
+        title = Text(f"{self._title} {figure}" + (" (log)" if self._log else ""), style=title_style,
                      no_wrap=True, overflow="ellipsis")
         chart_rows = height - 1
         steps = self._steps()
@@ -77,14 +88,8 @@ class HistoryChart(TextLines):
         elif steps and title.cell_len + len(steps) + 2 <= width:
             title.append(" " * (width - title.cell_len - len(steps)))
             title.append(steps, axis_style)
-        values = [v for v in self._data if math.isfinite(v) and (v > 0 or not self._log)]
-        if not values or chart_rows <= 0:
+        if not points or chart_rows <= 0:
             return [title]
-        # The y labels take a column of their own: the chart gets the rest.
-        rough = columns(values, width)
-        low, high = self._number(min(rough)), self._number(max(rough))
-        label_width = max(len(low), len(high)) + 1
-        points = columns(values, max(width - label_width, 1))
         low, high = self._number(min(points)), self._number(max(points))
         drawn = [math.log10(p) for p in points] if self._log else points
         rows = spark_rows(drawn, len(points), chart_rows)

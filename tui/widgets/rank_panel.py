@@ -10,7 +10,7 @@ from rich.text import Text
 
 from .. import format as fmt
 from ..ranks import PHASE_LABELS, PHASES, RankView, phase_ms
-from .device_panel import _line, _missing
+from .panel_line import missing_value, panel_line
 from .text_lines import TextLines
 
 # One colour per phase, the same in the bar and its legend. Waiting is red: it is the others' doing.
@@ -63,20 +63,20 @@ def legend_lines(phases: dict[str, float | None], width: int) -> list[Text]:
 def _telemetry_line(view: RankView) -> Text:
     sample = view.sample
     if sample is None:
-        return _line("telem", Text("no sample yet", style="dim"))
+        return panel_line("telem", Text("no sample yet", style="dim"))
     if sample.lost or "device" in sample.missing:
-        return _line("telem", Text(sample.missing.get("device", "device lost"), style="bold red"))
+        return panel_line("telem", Text(sample.missing.get("device", "device lost"), style="bold red"))
     util = Text(f"{sample.utilization_pct:.0f}%") if sample.utilization_pct is not None else None
     if not view.device.startswith("cuda"):  # a CPU rank: its own process's CPU use and RSS
-        return _line("cpu", util or _missing(view, "utilization_pct"), "  rss ", fmt.size(sample.memory_used_bytes))
-    parts: list[Text | str] = [util or _missing(view, "utilization_pct")]
+        return panel_line("cpu", util or missing_value(view, "utilization_pct"), "  rss ", fmt.size(sample.memory_used_bytes))
+    parts: list[Text | str] = [util or missing_value(view, "utilization_pct")]
     if sample.temperature_c is not None:
         parts += [" ", f"{sample.temperature_c:.0f}°C"]
     if sample.power_w is not None:
         parts += [" ", f"{sample.power_w:.0f} W"]
     if sample.memory_used_bytes is not None and sample.memory_total_bytes:
         parts += [" ", fmt.sizes(sample.memory_used_bytes, sample.memory_total_bytes, "/")]
-    return _line("util", *parts)
+    return panel_line("util", *parts)
 
 
 def body_lines(view: RankView, width: int) -> list[Text]:
@@ -84,12 +84,12 @@ def body_lines(view: RankView, width: int) -> list[Text]:
     step = view.last
     lines = []
     if view.failed and view.error:
-        lines.append(_line("error", Text(view.error, style="bold red")))
+        lines.append(panel_line("error", Text(view.error, style="bold red")))
     if step is None:
-        lines.append(_line("step", Text("no step yet", style="dim")))
+        lines.append(panel_line("step", Text("no step yet", style="dim")))
     else:
         phases = phase_ms(step)
-        head = _line("step", f"{step.step} ", (f"{fmt.ms(step.total_ms)} ms", "bold"), " ")
+        head = panel_line("step", f"{step.step} ", (f"{fmt.ms(step.total_ms)} ms", "bold"), " ")
         total = step.total_ms if isinstance(step.total_ms, (int, float)) else None
         own = Text.assemble(("own ", "dim"), fmt.ms(None if total is None else total - phases["comm_wait"]), " ")
         if width - head.cell_len - own.cell_len >= MIN_BAR_WITH_OWN:  # what the verdict compares, where it fits
@@ -100,7 +100,7 @@ def body_lines(view: RankView, width: int) -> list[Text]:
             memory = fmt.sizes(step.memory_bytes, step.peak_memory_bytes, " pk ")
         else:
             memory = fmt.size(step.memory_bytes)
-        lines.append(_line("loss", fmt.loss(step.loss), ("  mem ", "dim"), memory))
+        lines.append(panel_line("loss", fmt.loss(step.loss), ("  mem ", "dim"), memory))
     lines.append(_telemetry_line(view))
     return lines
 

@@ -25,8 +25,10 @@ def columns(values: Sequence[float], width: int) -> list[float]:
     return [fmean(values[i * count // width:(i + 1) * count // width]) for i in range(width)]
 
 
-def spark_rows(values: Sequence[float], width: int, height: int = 1) -> list[str]:
-    """`height` rows of bars, top row first, scaled from the smallest value to the largest.
+def spark_rows(values: Sequence[float], width: int, height: int = 1,
+               scale: tuple[float, float] | None = None) -> list[str]:
+    """`height` rows of bars, top row first, scaled from the smallest value to the largest (or
+    over `scale`, (low, high): two histories drawn on one scale).
 
     The smallest value still shows as the lowest bar, so an empty-looking chart always means
     no data rather than a flat one.
@@ -37,7 +39,7 @@ def spark_rows(values: Sequence[float], width: int, height: int = 1) -> list[str
     points = columns([v for v in values if math.isfinite(v)], width)
     if not points:
         return [" " * max(width, 0)] * height
-    low, high = min(points), max(points)
+    low, high = scale if scale is not None else (min(points), max(points))
     extent = high - low
     levels = len(BARS) * height
     # 1..levels eighths of a cell per column; a flat history sits at the bottom row's middle.

@@ -12,8 +12,9 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
-from dpengine.eventlog.summary import straggler_words
+from dpengine.compare.advice import Advice
 from dpengine.eventlog.phases import WORK_PHASES, input_bound_words
+from dpengine.eventlog.summary import straggler_words
 
 from .. import format as fmt
 from ..state import Snapshot
@@ -123,7 +124,7 @@ def status_text(snap: Snapshot, width: int, pause_left_s: float | None = None) -
         # What auto-balance buys: the slowest replica now, and as an even split would predict it
         # (with "?" when the measurements fit the per-row model badly: then it is a guess).
         guess = "?" if snap.even_ms_unsure else ""
-        timing = [Text(f"step {fmt.ms(snap.replica_ms)} ms (even ~{fmt.ms(snap.even_ms)}{guess})")]
+        timing = [Text(f"{fmt.ms(snap.replica_ms)} ms, even ~{fmt.ms(snap.even_ms)}{guess}")]
     health = sep.join([
         *timing,
         Text(f"{fmt.rate(snap.samples_per_s)} samples/s"),
@@ -141,11 +142,21 @@ def status_text(snap: Snapshot, width: int, pause_left_s: float | None = None) -
     return Text.assemble(run, "\n", health)
 
 
+def advice_text(advice: tuple[Advice, ...], width: int) -> Text:
+    """`⚑ advice: input-bound: data 82% of the step · cpu:1 2.2x slower per row (in the log)`, cut to `width`."""
+    text = Text("⚑ advice: ", style="bold yellow")
+    text.append(" · ".join(a.short for a in advice), style="yellow")
+    text.append(" (the log says more)", style="dim")
+    text.truncate(max(width, 1), overflow="ellipsis")
+    return text
+
+
 class StatusBar(Static):
     """Re-lays itself out on resize, so a wrap chosen at one width does not stick."""
 
     _snap: Snapshot | None = None
     pause_left_s: float | None = None  # a paused DDP run's time left before its collective timeout
+    advice: tuple[Advice, ...] = ()  # what the run's figures advise (the log has each in full)
 
     def show(self, snap: Snapshot) -> None:
         self._snap = snap
@@ -158,6 +169,12 @@ class StatusBar(Static):
             if self._snap is not None:
                 self._draw()
 
+    def show_advice(self, advice: tuple[Advice, ...]) -> None:
+        if [a.short for a in advice] != [a.short for a in self.advice]:
+            self.advice = advice
+            if self._snap is not None:
+                self._draw()
+
     def on_resize(self) -> None:
         if self._snap is not None:
             self._draw()
@@ -165,5 +182,7 @@ class StatusBar(Static):
     def _draw(self) -> None:
         assert self._snap is not None
         text = status_text(self._snap, self.size.width, self.pause_left_s)
+        if self.advice:
+            text = Text.assemble(text, "\n", advice_text(self.advice, self.size.width))
         # Lay the screen out again only when the bar grows or shrinks a line.
         self.update(text, layout=text.plain.count("\n") + 1 != self.size.height)

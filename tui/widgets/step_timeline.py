@@ -32,6 +32,7 @@ STYLES = {  # fixed colours: a phase is the same colour in every theme and every
     "wait": "#ffaf00",
 }
 APPROXIMATE = "approximate: no start times, phases laid end to end"
+HELD = "held: h follows new steps"
 
 
 def timeline_of(shown: ShownStep) -> Timeline:
@@ -117,18 +118,35 @@ class StepTimeline(TextLines):
         super().__init__(**kwargs)
         self.shown: ShownStep | None = None
         self.timeline: Timeline | None = None
+        self.held = False  # key h: the step stays while new ones come (a live run's is redrawn 10 times a second)
         self.border_title = "timeline"
 
+    def hold(self, on: bool) -> None:
+        self.held = on
+        self._subtitle()
+
+    def _subtitle(self) -> None:
+        said = [APPROXIMATE] if self.timeline and self.timeline.approximate else []
+        self.border_subtitle = " · ".join([*said, HELD] if self.held else said)
+
     def show(self, shown: ShownStep | None) -> None:
-        if shown == self.shown:
+        if shown == self.shown or (self.held and self.shown is not None):
             return
         self.shown = shown
         rows = len(self.timeline.rows) if self.timeline else 0
         self.timeline = timeline_of(shown) if shown is not None else None
         self.border_title = self.timeline.title if self.timeline else "timeline"
-        self.border_subtitle = APPROXIMATE if self.timeline and self.timeline.approximate else ""
+        self._subtitle()
         if (len(self.timeline.rows) if self.timeline else 0) != rows:
             self.refresh(layout=True)  # another number of rows: another height
+        self.changed()
+
+    def show_timeline(self, timeline: Timeline) -> None:
+        """A timeline laid out elsewhere (dptui compare's two runs), not a run's step."""
+        self.shown, self.timeline = None, timeline
+        self.border_title = timeline.title
+        self._subtitle()
+        self.refresh(layout=True)
         self.changed()
 
     def get_content_height(self, container: Size, viewport: Size, width: int) -> int:

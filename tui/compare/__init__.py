@@ -1,0 +1,1 @@
+"""`dptui compare`: two runs side by side."""
