@@ -164,3 +164,19 @@ def test_a_rank_killed_before_a_restart_is_named_as_killed_and_the_next_generati
     printed = {(o["rank"], o["line"]) for o in of_type(events, "output") if o.get("rank") is not None}
     assert {(r, f"[rank {r}] would resume from snapshot at epoch 1") for r in range(2)} <= printed
     assert sorted((e["rank"], e["exit_code"]) for e in of_type(second, "rank_ended")) == [(0, 0), (1, 0)]
+
+
+@pytest.mark.parametrize("how, signal_name", [("sigkill", "SIGKILL"), ("segfault", "SIGSEGV")])
+def test_a_rank_that_dies_hard_right_after_its_last_step_has_every_step_recorded(tmp_path, how, signal_name):
+    # A rank's step ended at its next forward: one killed after 3 steps had sent 2.
+    log = tmp_path / "run.jsonl"
+    script = str(Path(__file__).parent / "fixtures" / "ranks" / "hard_exit_ddp.py")
+    done = dptui("--nproc-per-node", "2", "--headless", "--json", "--no-telemetry", "--log", str(log),
+                 script, how, str(log))
+    assert done.returncode != 0
+    events = json_events(done.stdout)
+    steps = [s for s in of_type(events, "rank_step") if s["rank"] == 1]
+    assert [s["step"] for s in steps] == [0, 1, 2]
+    assert steps[-1]["optimizer_ms"] > 0  # it went out after its optimizer step, with it
+    ended = {e["rank"]: e for e in of_type(events, "rank_ended")}
+    assert ended[1]["exit_code"] == -getattr(signal, signal_name), ended

@@ -9,16 +9,21 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_ddp_run import json_events, of_type
+from test_ddp_run import free_port_pair, json_events, of_type
 
 FRAMEWORKS = Path(__file__).parent / "fixtures" / "frameworks"
 LIGHTNING = str(FRAMEWORKS / "lightning_fit.py")
 ACCELERATE = str(FRAMEWORKS / "accelerate_loop.py")
 # accelerate's own launcher, as a module and as the console script pip puts beside python.
 ACCELERATE_LAUNCH = {"module": ["-m", "accelerate.commands.launch"], "script": ["accelerate", "launch"]}
-TWO_CPU_RANKS = ["--multi_gpu", "--num_processes", "2"]
 SLOWED_MS = 50.0  # what the fixtures' SLOW_S adds to rank 1's phase
 PHASES = ("data_ms", "forward_ms", "backward_ms", "comm_wait_ms", "optimizer_ms")
+
+
+def two_cpu_ranks() -> list[str]:
+    """accelerate launch's options for 2 CPU ranks, on a free port: its default, 29500, is every
+    other launch's too, and the suite runs tests side by side."""
+    return ["--multi_gpu", "--num_processes", "2", "--main_process_port", str(free_port_pair())]
 
 
 def with_python_bin_on_path() -> dict[str, str]:
@@ -29,7 +34,7 @@ def dptui_run(launch: str, script: str, *args: str) -> subprocess.CompletedProce
     """`launch`: "torchrun" (dptui run --nproc-per-node 2), "self" (plain dptui run: the script's
     framework starts its other ranks itself), or accelerate's launcher ("module" or "script")."""
     ddp = ["--nproc-per-node", "2"] if launch == "torchrun" else []
-    target = [*ACCELERATE_LAUNCH[launch], *TWO_CPU_RANKS] if launch in ACCELERATE_LAUNCH else []
+    target = [*ACCELERATE_LAUNCH[launch], *two_cpu_ranks()] if launch in ACCELERATE_LAUNCH else []
     return subprocess.run([sys.executable, "-m", "tui.cli", "run", *ddp, "--headless", "--json", "--no-telemetry",
                            *target, script, *args], capture_output=True, text=True, timeout=300,
                           env=with_python_bin_on_path())
@@ -99,10 +104,10 @@ def test_lightning_launching_itself_under_dptui_does_as_without_it():
 
 
 def test_accelerate_launch_under_dptui_does_as_without_it():
-    plain = subprocess.run(["accelerate", "launch", *TWO_CPU_RANKS, ACCELERATE, "none", "6"], capture_output=True,
+    plain = subprocess.run(["accelerate", "launch", *two_cpu_ranks(), ACCELERATE, "none", "6"], capture_output=True,
                            text=True, timeout=300, env=with_python_bin_on_path())
     watched = dptui_run("script", ACCELERATE, "none", "6")
-    assert (watched.returncode, plain.returncode) == (0, 0), watched.stderr
+    assert (watched.returncode, plain.returncode) == (0, 0), (watched.stderr, plain.stderr)
     assert_same_lines(watched, plain)
     ended = of_type(json_events(watched.stdout), "rank_ended")
     assert sorted((e["rank"], e["exit_code"], e["script_finished"]) for e in ended) == [(0, 0, True), (1, 0, True)]

@@ -1,16 +1,22 @@
 """dptui's end of the ranks' side channel (tui.script.rank_hub), in process with real RankLinks over TCP:
-a pause holds every rank before one step, even when the hub's view of the steps lags the ranks."""
+a pause holds every rank before one step, even when the hub's view of the steps lags the ranks; a
+restart names how the old generation's ranks ended before the new one starts."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 
+import pytest
 from waiting import wait_for
 
-from dpengine.eventlog.events import RankStepFinished, StateChanged
+from dpengine.eventlog.events import RankEnded, RankStepFinished, RunStarted, StateChanged
 from dpengine.script import rank_wire
 from dpengine.script.rank_link import RankLink
+from tui.script import rank_hub
+from tui.script.failure_record import FailureRecord
 from tui.script.rank_hub import RankHub
 
 
@@ -60,5 +66,64 @@ def test_a_rank_past_the_asked_step_moves_every_rank_to_a_later_one_so_they_paus
         assert not any(thread.is_alive() for thread in held)
         wait_for(lambda: [e.state for e in events if isinstance(e, StateChanged)] == ["paused", "running"],
                  "running again, once")
+    finally:
+        hub.close()
+
+
+def restarted_run(hub: RankHub, pids: list[int]) -> list[RankLink]:
+    """Ranks 0 and 1 of generation 0 (processes pids[0], pids[1]), then both of generation 1."""
+    links = []
+    for restart in (0, 1):
+        for rank in (0, 1):
+            hello = {"token": hub.token, "rank": rank, "local_rank": rank, "world_size": 2, "node_rank": 0,
+                     "host": "here", "pid": pids[2 * restart + rank], "device": "cpu", "restart": restart}
+            links.append(RankLink.connect(hub.env()[rank_wire.CHANNEL], hello))
+        if restart == 0:
+            wait_for(lambda: hub.gen.started, "generation 0 to start")
+    wait_for(lambda: hub.gen.number == 1 and len(hub.gen.joined) == 2, "generation 1's hellos")
+    return links
+
+
+@pytest.fixture
+def rank_processes():
+    """Four live processes, as two generations of two ranks: the hub samples a rank by its pid."""
+    processes = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(4)]
+    yield [p.pid for p in processes]
+    for process in processes:
+        process.kill()
+        process.wait()
+
+
+def test_a_rank_torchrun_logs_as_killed_after_the_restarted_ranks_said_hello_is_named_as_killed(rank_processes):
+    events: list = []
+    hub = RankHub("ranks", events.append).listen()
+    record = hub.worker_exits = FailureRecord(on_worker_exit=hub.worker_exited)
+    try:
+        restarted_run(hub, rank_processes)
+        # torchrun's stderr is read by another thread: its line on the first generation's failed
+        # worker can come after the new generation's hellos.
+        assert sum(isinstance(e, RunStarted) for e in events) == 1
+        record.feed(f"E1207 07:00:00.000 1 torch/distributed/elastic/multiprocessing/api.py:1003] failed "
+                    f"(exitcode: -9) local_rank: 1 (pid: {rank_processes[1]}) of binary: /usr/bin/python")
+        wait_for(lambda: sum(isinstance(e, RunStarted) for e in events) == 2, "generation 1 to start")
+        second = max(i for i, e in enumerate(events) if isinstance(e, RunStarted))
+        ended = {e.rank: (e.exit_code, e.error) for e in events[:second] if isinstance(e, RankEnded)}
+        assert ended == {0: (-15, "ended by torchrun for a restart"),
+                         1: (-9, "killed by SIGKILL before its script finished")}
+    finally:
+        hub.close()
+
+
+def test_a_restart_with_no_failed_worker_logged_starts_the_new_generation_after_a_wait(rank_processes, monkeypatch):
+    monkeypatch.setattr(rank_hub, "RESTART_SETTLE_S", 0.2)
+    events: list = []
+    hub = RankHub("ranks", events.append).listen()
+    hub.worker_exits = FailureRecord(on_worker_exit=hub.worker_exited)
+    try:
+        restarted_run(hub, rank_processes)  # another node's rank failed, say: nothing logged here
+        wait_for(lambda: sum(isinstance(e, RunStarted) for e in events) == 2, "generation 1 to start")
+        second = max(i for i, e in enumerate(events) if isinstance(e, RunStarted))
+        assert sorted((e.rank, e.exit_code) for e in events[:second] if isinstance(e, RankEnded)) == [
+            (0, -15), (1, -15)]
     finally:
         hub.close()

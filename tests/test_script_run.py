@@ -76,18 +76,19 @@ def test_steps_finished_before_an_os_exit_reach_dptui():
     assert of_type(events, "script_exited") == [{"type": "script_exited", "code": 3, "signal": None}]
 
 
-def test_the_last_step_before_a_sigkill_reaches_dptui(tmp_path):
+@pytest.mark.parametrize("how, code, signal_name", [("sigkill", 137, "SIGKILL"), ("segfault", 139, "SIGSEGV")])
+def test_the_last_step_before_a_hard_kill_reaches_dptui(tmp_path, how, code, signal_name):
     # The last step waited in the script for its optimizer time, until a next forward that never
     # came: SIGKILL after 3 steps left 1 in the log.
     log = tmp_path / "run.jsonl"
     done = dptui("--headless", "--json", "--log", str(log), "--devices", "cpu:0,cpu:1", "--no-telemetry",
-                 script("hard_exit.py"), "sigkill", str(log))
-    assert done.returncode == 137, done.stderr
+                 script("hard_exit.py"), how, str(log))
+    assert done.returncode == code, done.stderr
     events = json_events(done.stdout)
     steps = of_type(events, "step")
     assert [s["step"] for s in steps] == [1, 2, 3]
     assert steps[-1]["engine"]["optimizer_ms"] > 0  # the optimizer step it waited for, before it went out
-    assert of_type(events, "script_exited") == [{"type": "script_exited", "code": 137, "signal": "SIGKILL"}]
+    assert of_type(events, "script_exited") == [{"type": "script_exited", "code": code, "signal": signal_name}]
 
 
 def test_32_threads_calling_one_dataparallel_at_once_have_every_step_in_json():

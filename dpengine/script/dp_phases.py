@@ -23,9 +23,9 @@ from collections.abc import Callable
 import torch
 
 from ..records import StepRecord
+from .step_phases import HELD_AT_MOST_S
 from .training_hooks import LossReading, read_loss
 
-HELD_AT_MOST_S = 0.05
 Key = tuple[str, int]  # (instance label, its step number)
 Post = Callable[[str, StepRecord, float | None], None]
 

@@ -104,9 +104,9 @@ def on_process_group(then) -> None:
 def rank_steps(link, clock):
     """The rank's phase clock, made when the script builds its first DDP (which chooses the clock)."""
     from . import training_hooks
-    from .step_phases import RankSteps
+    from .step_phases import HELD_AT_MOST_S, RankSteps
 
-    steps = RankSteps(link.rank, clock, link.post_step, link.before_step)
+    steps = RankSteps(link.rank, clock, link.post_step, link.before_step, release_after_s=HELD_AT_MOST_S)
     training_hooks.listen(steps)
     return steps
 

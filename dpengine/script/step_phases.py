@@ -15,6 +15,12 @@ Its phases:
 Times are marks of a clock: the host's perf_counter on the CPU (gloo); CUDA events on the current
 stream on a GPU, read once they have completed (never a synchronize on the training stream), so a
 CUDA step is sent a little later, as soon as its events are done.
+
+A step's end is known at the next forward, or at the script's end; when neither comes, a live rank
+(`release_after_s`) ends it HELD_AT_MOST_S after its last optimizer step with nothing running since:
+a rank killed then (SIGKILL, the OOM killer, a crash in C code) would have lost its last step, the
+one a user most needs to see. An optimizer that steps later than that, before the next forward,
+counts into the next step's data phase.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from ..eventlog.events import RankStepFinished
 from .training_hooks import LossReading, read_loss
 
 PHASES = ("data", "forward", "backward", "comm_wait", "optimizer")
+HELD_AT_MOST_S = 0.05
 
 
 class HostClock:
@@ -129,7 +136,9 @@ class RankSteps:
 
     def __init__(self, rank: int, clock: HostClock | CudaClock,
                  on_step: Callable[[RankStepFinished], None],
-                 before_step: Callable[[int], bool] | None = None) -> None:
+                 before_step: Callable[[int], bool] | None = None, release_after_s: float | None = None) -> None:
+        """`release_after_s`: end a step that long after its optimizer step, from a watcher thread,
+        when no forward came (None: a recorded run, ended by its next forward or `finish` only)."""
         self.rank = rank
         self.clock = clock
         self._on_step = on_step
@@ -143,7 +152,13 @@ class RankSteps:
         self._closure_step: _Step | None = None  # the step the open optimizer.step's closure is running
         self._collective: tuple[Any, str] | None = None  # the open FSDP collective's start and phase
         self._unsent: list[_Step] = []  # finished, waiting for their CUDA events
+        # The training thread and the watcher: the open step, and the finished ones not yet sent.
         self._lock = threading.Lock()
+        self._release_after_s = release_after_s
+        self._optimizer_ended: float | None = None  # monotonic: the open step's last optimizer step
+        self._woken = threading.Condition(self._lock)
+        self._watching = False  # the watcher is waiting for a step's time: no need to wake it
+        self._watcher: threading.Thread | None = None
 
     @property
     def in_backward(self) -> bool:
@@ -163,20 +178,24 @@ class RankSteps:
     # -- the DDP forward ---------------------------------------------------------------
 
     def forward_begins(self, samples: int, synced: bool) -> None:
-        step = self._step
         in_optimizer = self._optimizer_start is not None
-        # A closure's later forwards (LBFGS calls it again) are the same step's micro-batches.
-        if step is not None and step is not self._closure_step and step.ends_at_forward():
-            self._end(step)
-            step = None
+        with self._lock:
+            step = self._step
+            self._optimizer_ended = None
+            # A closure's later forwards (LBFGS calls it again) are the same step's micro-batches.
+            if step is not None and step is not self._closure_step and step.ends_at_forward():
+                self._end(step)
+                step = None
         if step is None:
+            # A pause blocks here: never with the lock held.
             if self._before_step is not None and self._before_step(self._next):
                 self._last_end = None  # paused: the step starts now, not at the previous one's end
             start = self._last_end
             if start is None:
                 start = self._optimizer_start if in_optimizer else self.clock.mark()
-            step = self._step = _Step(self._next, start)
-            self._next += 1
+            with self._lock:
+                step = self._step = _Step(self._next, start)
+                self._next += 1
         self._forward_start = self.clock.mark()
         step.samples += samples
         step.synced = synced
@@ -226,9 +245,11 @@ class RankSteps:
     # -- training_hooks listener ---------------------------------------------------------
 
     def backward_begins(self, loss: torch.Tensor | None) -> None:
-        step = self._step
-        if step is None:  # a backward outside a DDP's steps (another model): not ours
-            return
+        with self._lock:
+            step = self._step
+            if step is None:  # a backward outside a DDP's steps (another model): not ours
+                return
+            self._optimizer_ended = None
         self._backward = _Backward(self.clock.mark())
         step.losses.append(read_loss(loss))
 
@@ -244,33 +265,74 @@ class RankSteps:
 
     def optimizer_begins(self) -> None:
         # Also before the step's first forward: a closure may run it (Lightning, LBFGS).
-        self._optimizer_start = self.clock.mark()
-        self._closure_step = None
+        with self._lock:
+            self._optimizer_ended = None
+            self._optimizer_start = self.clock.mark()
+            self._closure_step = None
 
     def optimizer_ends(self) -> None:
-        step = self._step
-        if step is not None and self._optimizer_start is not None:
-            end = self.clock.mark()
-            step.optimizers.append((self._optimizer_start, end))
-            step.end = end
-            step.memory = self.clock.memory()
-        self._optimizer_start = None
-        self._closure_step = None
+        with self._lock:
+            step = self._step
+            if step is not None and self._optimizer_start is not None:
+                end = self.clock.mark()
+                step.optimizers.append((self._optimizer_start, end))
+                step.end = end
+                step.memory = self.clock.memory()
+                if self._release_after_s is not None:
+                    self._optimizer_ended = time.monotonic()
+                    self._wake_watcher()
+            self._optimizer_start = None
+            self._closure_step = None
 
     # -- finishing -----------------------------------------------------------------------
 
     def finish(self) -> None:
         """The script ended: its last step, if an optimizer stepped, and wait for every CUDA event."""
-        step = self._step
-        if step is not None and step.ends_at_forward():
-            self._end(step)
-        self._step = None
-        for unsent in self._unsent:
-            for mark in _marks(unsent):
-                self.clock.wait(mark)
-        self._send_done()
+        with self._lock:
+            step = self._step
+            if step is not None and step.ends_at_forward():
+                self._end(step)
+            self._step = None
+            for unsent in self._unsent:
+                for mark in _marks(unsent):
+                    self.clock.wait(mark)
+            self._send_done()
+
+    def _wake_watcher(self) -> None:
+        if not self._watching:
+            self._watching = True
+            if self._watcher is None:
+                self._watcher = threading.Thread(target=self._watch, name="dptui-rank-steps", daemon=True)
+                self._watcher.start()
+            self._woken.notify()
+
+    def _watch(self) -> None:
+        """End the open step `release_after_s` after its optimizer step when nothing ran since, and
+        send the finished steps whose CUDA events have completed. Wakes once per `release_after_s`
+        at most while steps come, never per step."""
+        wait_s = self._release_after_s
+        with self._lock:
+            while True:
+                if self._optimizer_ended is None and not self._unsent:
+                    self._watching = False
+                    self._woken.wait()
+                    continue
+                step, ended = self._step, self._optimizer_ended
+                if ended is not None and step is not None:
+                    due = ended + wait_s - time.monotonic()
+                    if due > 0:
+                        self._woken.wait(due)
+                        continue
+                    if (self._optimizer_start is None and self._backward is None and self._forward_start is None
+                            and step.ends_at_forward()):
+                        self._end(step)
+                self._optimizer_ended = None
+                self._send_done()
+                if self._unsent:  # CUDA events still to complete: look again later
+                    self._woken.wait(wait_s)
 
     def _end(self, step: _Step) -> None:
+        """Under the lock."""
         if not step.optimizers:  # a GradScaler skipped the step: it ends with its backward
             step.end = step.backwards[-1].end
             step.memory = self.clock.memory()

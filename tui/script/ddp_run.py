@@ -61,7 +61,7 @@ class DdpRun(Publisher):
         self._stop_signal = signal.SIGINT
         self._hurry = threading.Event()
         self._done = threading.Event()
-        self._record = FailureRecord()
+        self._record = FailureRecord(on_worker_exit=self._hub.worker_exited)
         self._hub.worker_exits = self._record  # a rank killed before a restart is named as killed
         self._started_at = 0.0
         self.exit_code: int | None = None

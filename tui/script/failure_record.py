@@ -22,6 +22,7 @@ here only when the rank could not say it itself (a signal, or an exit before the
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 _RANK = re.compile(r"^\s*rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)")
@@ -43,9 +44,11 @@ class Failure:
 
 
 class FailureRecord:
-    """Feed it torchrun's lines; `failures` holds the entries read, the root cause first."""
+    """Feed it torchrun's lines; `failures` holds the entries read, the root cause first.
+    `on_worker_exit(pid)`: called as the agent's line on a failed worker is read."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_worker_exit: Callable[[int], None] | None = None) -> None:
+        self._on_worker_exit = on_worker_exit
         self._entries: list[Failure] = []
         self._in_root = False
         self._host = ""
@@ -54,7 +57,10 @@ class FailureRecord:
 
     def feed(self, line: str) -> None:
         if worker := _WORKER.search(line):
-            self._worker_exits[int(worker.group(3))] = int(worker.group(1))
+            pid = int(worker.group(3))
+            self._worker_exits[pid] = int(worker.group(1))
+            if self._on_worker_exit is not None:
+                self._on_worker_exit(pid)
         elif _ROOT.match(line):
             self._in_root = True
         elif match := _HOST.match(line):

@@ -60,6 +60,11 @@ MAX_PAUSE_AHEAD = 4096  # a rank answered late: ask again this many steps ahead 
 # shown without it, and that is said.
 MISSING_RANK_STEPS = 3
 MISSING_RANK_S = 3.0
+# torchrun's agent logs a generation's first failed worker (failure_record.py) before it ends the
+# others and restarts them, but that line comes on torchrun's stderr, read by another thread than
+# the new ranks' hellos: a restart waits this long for it before the old generation's silent ranks
+# are said to be ended by torchrun.
+RESTART_SETTLE_S = 3.0
 NODES_WAIT_S = 30.0  # node 0, its own ranks ended: how long the other nodes have to send their ranks' ends
 
 
@@ -98,6 +103,8 @@ class RankHub:
         self.last_loss: float | None = None
         self.config: RunConfig | None = None
         self.worker_exits: FailureRecord | None = None  # torchrun's log: how this node's ranks ended
+        self._unsettled: Generation | None = None  # restarted, its failed worker not yet logged
+        self._settle_timer: threading.Timer | None = None
 
     # -- listening ------------------------------------------------------------------------
 
@@ -118,6 +125,8 @@ class RankHub:
         return {rank_wire.CHANNEL: f"{host}:{port}", rank_wire.TOKEN: self.token}
 
     def close(self) -> None:
+        if self._settle_timer is not None:
+            self._settle_timer.cancel()
         self.telemetry.close()
         if self._link is not None:
             self._link.close()
@@ -265,20 +274,55 @@ class RankHub:
             self.telemetry.add(joined.rank, joined.pid, joined.device)
         if gen.started:
             self.publish(joined)
-        elif len(gen.joined) >= gen.world_size:
+        elif len(gen.joined) >= gen.world_size and self._unsettled is None:
             self._start_generation(gen)
 
     def _restarted(self, old: Generation) -> None:
         """torchrun restarted the ranks (--max-restarts): those of the old generation that had not
-        ended by themselves were ended by torchrun, with SIGTERM, as it stops workers."""
+        ended by themselves failed as torchrun's agent logged it, or were ended by torchrun's SIGTERM,
+        as it stops workers. Until the agent's line is read (or RESTART_SETTLE_S), the new generation
+        is not started, so that the old one's ends come before it."""
+        if self._unsettled is not None:
+            self._settle(self._unsettled)
         for rank in sorted(set(old.joined) - old.ended):
             if rank in old.finished or rank in old.failed:
                 self._rank_ended(old, rank, None)
-            else:
-                old.ended.add(rank)
-                code, error = self._restarted_rank_end(old, rank)
-                self._rank_event(old, RankEnded(rank=rank, exit_code=code, script_finished=False,
-                                                host=old.joined[rank].host, error=error))
+        silent = [old.joined[r].pid for r in set(old.joined) - old.ended if (old.number, r) in self._processes]
+        record = self.worker_exits
+        if record is None or not silent or any(record.exit_code_of_pid(pid) is not None for pid in silent):
+            self._settle(old)
+            return
+        self._unsettled = old
+        self._settle_timer = threading.Timer(RESTART_SETTLE_S, self._settle_overdue)
+        self._settle_timer.daemon = True
+        self._settle_timer.start()
+
+    def worker_exited(self, pid: int) -> None:
+        """torchrun's agent logged a failed worker: an old generation waiting for it is settled."""
+        with self.lock:
+            old = self._unsettled
+            if old is not None and any(joined.pid == pid for joined in old.joined.values()):
+                self._settle(old)
+
+    def _settle_overdue(self) -> None:
+        with self.lock:
+            if self._unsettled is not None:
+                self._settle(self._unsettled)
+
+    def _settle(self, old: Generation) -> None:
+        """The old generation's silent ranks ended; then the new one starts if all its ranks joined."""
+        for rank in sorted(set(old.joined) - old.ended):
+            old.ended.add(rank)
+            code, error = self._restarted_rank_end(old, rank)
+            self._rank_event(old, RankEnded(rank=rank, exit_code=code, script_finished=False,
+                                            host=old.joined[rank].host, error=error))
+        if self._unsettled is old:
+            self._unsettled = None
+            if self._settle_timer is not None:
+                self._settle_timer.cancel()
+        gen = self.gen
+        if gen is not old and not gen.started and gen.joined and len(gen.joined) >= gen.world_size:
+            self._start_generation(gen)
 
     def _restarted_rank_end(self, old: Generation, rank: int) -> tuple[int, str]:
         """How a rank that said nothing ended before a restart: as torchrun's agent logged it when it
@@ -326,7 +370,7 @@ class RankHub:
         self._rank_event(gen, event)
         if not gen.started:
             gen.first_step_at = gen.first_step_at or time.monotonic()
-            if (gen.last_step[event.rank] + 1 >= MISSING_RANK_STEPS
+            if (gen.last_step[event.rank] + 1 >= MISSING_RANK_STEPS and self._unsettled is None
                     and time.monotonic() - gen.first_step_at >= MISSING_RANK_S):
                 self._say_missing(gen)
                 self._start_generation(gen)
@@ -427,6 +471,8 @@ class RankHub:
         `unsaid`: the status of a rank that neither said how it ended nor is in `record` (None: torchrun
         lists every failed rank, so it exited 0; a script's own spawn says nothing of them)."""
         with self.lock:
+            if self._unsettled is not None:
+                self._settle(self._unsettled)
             gen = self.gen
             if gen.joined:
                 self._say_missing(gen)
