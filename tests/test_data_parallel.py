@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 import dpengine
-from dpengine import DataParallel
 from dpengine.replicate import replicate_shared
 
 rep = sys.modules["dpengine.replicate"]  # `dpengine.replicate` is the function, as in torch
