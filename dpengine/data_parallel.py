@@ -21,7 +21,7 @@ from torch._utils import ExceptionWrapper
 
 from .balance import Balancer, BalancedSplit, describe_split
 from .cuda_memory import KEEPER as _PEAKS
-from .device_random import ReplicaRandom, replica_seeds
+from .device_random import ReplicaRandom, SeedProbe, replica_seeds
 from .devices import (
     DeviceLike, default_devices, device_name, parse_device, parse_output_device, resolve_devices,
 )
@@ -581,8 +581,10 @@ class DataParallel(nn.Module):
         nodes = self._forward_state.share_nodes if binders is not None else None
         plan = self._plan
         # Virtual devices: each replica draws from a generator of its own (device_random.py).
-        seeds = (replica_seeds(len(replicas)) if self.src_device_obj.type != "cuda" and plan is not None
-                 and plan.random and self.module.training else None)
+        random = (plan.random if self.src_device_obj.type != "cuda" and plan is not None
+                  and self.module.training else False)
+        seed_probe = SeedProbe(len(replicas)) if random is None else None
+        seeds = replica_seeds(len(replicas)) if random else seed_probe.seeds if seed_probe else None
         jobs = []
         for i, (slot, replica, a, kw) in enumerate(zip(slots, replicas, args, kwargs_list)):
             device = self.devices[slot]
@@ -593,11 +595,13 @@ class DataParallel(nn.Module):
             # One partial and one frame of ours around the replica: a worker runs its Python
             # while the other replicas contend for the GIL.
             jobs.append((slot, partial(run_in_state, state, device, stream, _run_in_worker,
-                                       bind, nodes, i, probe, seed, replica, a, kw)))
+                                       bind, nodes, i, probe, seed, seed_probe, replica, a, kw)))
         results = self._pool.run(jobs)
         for index, result in enumerate(results):
             if isinstance(result, ExceptionWrapper):
                 reraise(result, index, device_name(self.devices[slots[index]]))
+        if seed_probe is not None:
+            plan.random = seed_probe.settle()
         if probes is not None:
             for probe in probes:
                 probe.read_memory()
@@ -911,15 +915,19 @@ _forward_uncompiled = torch._disable_dynamo(_forward_eagerly)
 
 
 def _run_in_worker(bind: Callable[[], Any] | None, nodes: list[Any] | None, index: int,
-                   probe: ReplicaProbe | None, seed: int | None, replica: nn.Module, args: tuple,
-                   kwargs: dict[str, Any]) -> Any:
+                   probe: ReplicaProbe | None, seed: int | None, seed_probe: SeedProbe | None,
+                   replica: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
     """In the replica's worker: give it its parameter views (noting their node), then run it
-    (with its own random generator, seeded with `seed`, if it has one)."""
+    (with its own random generator, seeded with `seed`, if it has one; `seed_probe` notes
+    whether it drew)."""
     if bind is not None:
         nodes[index] = bind()
     if seed is not None:
-        with ReplicaRandom(seed):
-            return replica(*args, **kwargs) if probe is None else probe.measure(replica, args, kwargs)
+        with ReplicaRandom(seed) as mode:
+            output = replica(*args, **kwargs) if probe is None else probe.measure(replica, args, kwargs)
+        if seed_probe is not None:
+            seed_probe.drew[index] = mode.drew
+        return output
     if probe is None:
         return replica(*args, **kwargs)
     return probe.measure(replica, args, kwargs)

@@ -8,7 +8,12 @@ its own seeded with it: the same seed gives the same masks, run after run.
 
 A replica's random ops get its generator through a dispatch mode (thread-local: only that
 replica's worker sees it), which every op of the forward then passes through; so it is entered
-only for a module in training mode that holds a layer known to draw (`RANDOM_MODULES`).
+only for a module in training mode that draws: one that holds a layer known to (`RANDOM_MODULES`),
+or one whose first training forward since its structure last changed drew (a functional
+F.dropout or torch.rand in its forward: that forward runs under the mode, to see). When the first
+forward drew nothing, the CPU generator is put back as it was before its seeds were taken, and
+the mode is not entered again: a module that only starts drawing in a later forward races on the
+CPU generator, as without dptui's generators.
 """
 
 from __future__ import annotations
@@ -24,12 +29,28 @@ RANDOM_MODULES = (nn.modules.dropout._DropoutNd, nn.RReLU)
 SEED_BOUND = 2**62
 
 _generator_of_thread = threading.local()
-# aten op -> the index of its `generator` argument, or None when it takes none
-_generator_argument: dict[Any, int | None] = {}
+# aten op -> how it is given a generator: the index of its `generator` argument, or its twin that
+# takes one (torch.rand(shape) is aten.rand.default; aten.rand.generator is the same with one), or
+# None when it draws nothing
+_generator_route: dict[Any, int | Any | None] = {}
 
 
-def draws_randomness(modules: list[nn.Module]) -> bool:
-    return any(isinstance(m, RANDOM_MODULES) for m in modules)
+def _route(func) -> int | Any | None:
+    names = [a.name for a in func._schema.arguments]
+    if "generator" in names:
+        return names.index("generator")
+    packet = func._overloadpacket
+    for overload in packet.overloads():
+        twin = getattr(packet, overload)
+        twin_names = [a.name for a in twin._schema.arguments]
+        if "generator" in twin_names and [n for n in twin_names if n != "generator"] == names:
+            return twin
+    return None
+
+
+def draws_randomness(modules: list[nn.Module]) -> bool | None:
+    """True: a layer known to draw; None: not known until a training forward has run."""
+    return True if any(isinstance(m, RANDOM_MODULES) for m in modules) else None
 
 
 def replica_seeds(count: int) -> list[int]:
@@ -43,6 +64,7 @@ class ReplicaRandom(TorchDispatchMode):
 
     def __init__(self, seed: int) -> None:
         super().__init__()
+        self.drew = False  # whether a random op drew from this replica's generator
         generator = getattr(_generator_of_thread, "generator", None)
         if generator is None:
             generator = _generator_of_thread.generator = torch.Generator()
@@ -51,14 +73,41 @@ class ReplicaRandom(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        index = _generator_argument.get(func, -1)
-        if index == -1:
-            names = [a.name for a in func._schema.arguments]
-            index = _generator_argument[func] = names.index("generator") if "generator" in names else None
-        if index is not None and kwargs.get("generator") is None:
+        route = _generator_route.get(func, -1)
+        if route == -1:
+            route = _generator_route[func] = _route(func)
+        if route is None:
+            return func(*args, **kwargs)
+        if not isinstance(route, int):
+            self.drew = True
+            return route(*args, **kwargs, generator=self.generator)
+        index = route
+        if kwargs.get("generator") is None:
             if len(args) > index:
                 if args[index] is None:
                     args = (*args[:index], self.generator, *args[index + 1:])
+                    self.drew = True
             else:
                 kwargs = {**kwargs, "generator": self.generator}
+                self.drew = True
         return func(*args, **kwargs)
+
+
+class SeedProbe:
+    """The first training forward of a module not known to draw: it runs under the replicas'
+    generators, and if no replica drew, the CPU generator is put back as before its seeds."""
+
+    def __init__(self, replicas: int) -> None:
+        self._before = torch.default_generator.get_state()
+        self.seeds = replica_seeds(replicas)
+        self._after_seeds = torch.default_generator.get_state()
+        self.drew = [False] * replicas
+
+    def settle(self) -> bool:
+        """Whether the forward drew; if not, the CPU generator as the forward found it, unless
+        something else drew from it meanwhile (an op given it explicitly)."""
+        if any(self.drew):
+            return True
+        if torch.equal(torch.default_generator.get_state(), self._after_seeds):
+            torch.default_generator.set_state(self._before)
+        return False

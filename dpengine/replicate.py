@@ -188,7 +188,8 @@ class ReplicationPlan:
         # A lazy module not yet run: replicating it raises torch's own error (see replicate_shared).
         self.uninitialized = next((m for m in self.modules if any(
             is_lazy(t) for t in itertools.chain(m._parameters.values(), m._buffers.values()))), None)
-        self.random = draws_randomness(self.modules)  # a virtual device's replica gets its own generator
+        # Whether a virtual device's replica gets its own generator (None: the first training forward sees).
+        self.random = draws_randomness(self.modules)
         # Whether any gradient is big enough for where it is made and summed to matter (see _bind).
         self.has_big = any(not is_lazy(p) and p.numel() >= MIN_SUMMED_ELEMENTS for p in self.params)
         index = {id(p): i for i, p in enumerate(self.params)}

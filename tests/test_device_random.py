@@ -72,3 +72,32 @@ def test_in_eval_mode_dropout_draws_nothing():
     after_dp = torch.rand(4)
     torch.manual_seed(3)
     assert torch.equal(after_dp, torch.rand(4))
+
+
+class FunctionalNoise(nn.Module):
+    """Randomness with no random layer: F.dropout and torch.rand in the forward (as HF BART does)."""
+
+    def forward(self, x):
+        return nn.functional.dropout(x, 0.5, self.training) + torch.rand(x.shape)
+
+
+def test_a_seeded_forward_with_functional_dropout_and_rand_gives_the_same_output_every_time():
+    # No Dropout module to see: the replicas raced on the CPU generator (several outputs in 20).
+    dp = DataParallel(FunctionalNoise(), DEVICES)
+    outputs = seeded_outputs(dp, 1, 20)
+    assert all(torch.equal(outputs[0], o) for o in outputs[1:])
+    chunks = outputs[0].split(10)
+    assert not torch.equal(chunks[0], chunks[1])  # each device its own draws
+    assert dp._plan.random is True  # the first forward drew: the later ones run under the generators
+
+
+def test_the_first_forward_of_a_model_that_draws_nothing_leaves_the_cpu_generator_as_it_was():
+    dp = DataParallel(nn.Sequential(nn.Linear(5, 4), nn.ReLU()), DEVICES)
+    for _ in range(2):  # the first forward looks whether it draws; the second does not look again
+        torch.manual_seed(3)
+        dp(torch.randn(30, 5))
+        after_dp = torch.rand(4)
+        torch.manual_seed(3)
+        torch.randn(30, 5)
+        assert torch.equal(after_dp, torch.rand(4))
+    assert dp._plan.random is False
