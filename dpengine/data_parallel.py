@@ -21,7 +21,7 @@ from torch._utils import ExceptionWrapper
 
 from .balance import Balancer, BalancedSplit, describe_split
 from .cuda_memory import KEEPER as _PEAKS
-from .device_random import ReplicaRandom, SeedProbe, replica_seeds
+from .device_random import SeedProbe, replica_random, replica_seeds
 from .devices import (
     DeviceLike, default_devices, device_name, parse_device, parse_output_device, resolve_devices,
 )
@@ -923,7 +923,7 @@ def _run_in_worker(bind: Callable[[], Any] | None, nodes: list[Any] | None, inde
     if bind is not None:
         nodes[index] = bind()
     if seed is not None:
-        with ReplicaRandom(seed) as mode:
+        with replica_random(seed) as mode:
             output = replica(*args, **kwargs) if probe is None else probe.measure(replica, args, kwargs)
         if seed_probe is not None:
             seed_probe.drew[index] = mode.drew

@@ -18,6 +18,7 @@ CPU generator, as without dptui's generators.
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any
 
@@ -49,7 +50,13 @@ def _route(func) -> int | Any | None:
 
 
 def draws_randomness(modules: list[nn.Module]) -> bool | None:
-    """True: a layer known to draw; None: not known until a training forward has run."""
+    """True: a layer known to draw; None: not known until a training forward has run; False: a
+    compiled module (torch.compile), which a dispatch mode would keep dynamo from compiling."""
+    if "torch._dynamo" in sys.modules:
+        from torch._dynamo.eval_frame import OptimizedModule
+
+        if any(isinstance(m, OptimizedModule) for m in modules):
+            return False
     return True if any(isinstance(m, RANDOM_MODULES) for m in modules) else None
 
 
@@ -61,6 +68,12 @@ def replica_seeds(count: int) -> list[int]:
 class ReplicaRandom(TorchDispatchMode):
     """While entered (in a replica's worker), random ops that were given no generator draw from
     this thread's own, seeded with `seed`."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ to keep dynamo out of it, and that wrap imports
+        # torch._dynamo (about a second) at the first op; _UnderDynamo does once something compiles.
+        return False
 
     def __init__(self, seed: int) -> None:
         super().__init__()
@@ -91,6 +104,22 @@ class ReplicaRandom(TorchDispatchMode):
                 kwargs = {**kwargs, "generator": self.generator}
                 self.drew = True
         return func(*args, **kwargs)
+
+
+class _UnderDynamo(ReplicaRandom):
+    """ReplicaRandom once torch._dynamo is imported (something compiles): dynamo kept out of the
+    mode's frames, as out of torch's own modes."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return True
+
+    __torch_dispatch__ = ReplicaRandom.__torch_dispatch__  # in this class's dict: torch wraps it
+
+
+def replica_random(seed: int) -> ReplicaRandom:
+    """The mode for a replica's worker, its generator seeded with `seed`."""
+    return (_UnderDynamo if "torch._dynamo" in sys.modules else ReplicaRandom)(seed)
 
 
 class SeedProbe:
