@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
-import collections
 import copy
 import dataclasses
 import functools
@@ -19,21 +17,20 @@ import torch
 from torch import nn
 from torch._utils import ExceptionWrapper
 
-from .balance import Balancer, BalancedSplit, describe_split
+from .balance import Balancer, BalancedSplit
 from .cuda_memory import KEEPER as _PEAKS
 from .device_random import SeedProbe, replica_random, replica_seeds
 from .devices import (
     DeviceLike, default_devices, device_name, parse_device, parse_output_device, resolve_devices,
 )
-from .instrument import BackwardCountdown, HostSpan, ReplicaProbe, SavedBytesCache, Span, point, shapes_of, tensors_of
+from .instrument import ReplicaProbe, SavedBytesCache, Span, point, shapes_of, tensors_of
 from .parallel_apply import ThreadState, WorkerPool, reraise, run_in_state
 from .records import StepRecord
 from .replicate import (
     ReplicationPlan, WrongDevice, replicate, replicate_from_source, replicate_shared, structure_generation,
 )
 from .scatter_gather import Split, gather, scatter_kwargs
-
-StepCallback = Callable[[StepRecord], None]
+from .step_records import PendingStep, StepCallback, StepRecords
 
 # Per-step fields are plain attributes: set them past nn.Module.__setattr__, which is slow
 # and would end in object.__setattr__ for them anyway (none is a parameter, buffer or module).
@@ -42,14 +39,6 @@ _set = object.__setattr__
 # The DataParallel forward running on this thread and its state, for torch.nn.parallel's
 # module-level functions called inside it (dpengine.functional): they record into its step.
 _running = threading.local()
-
-# Steps kept open for a backward that comes after later forwards (two forwards, then one backward
-# over both), per calling thread; past this many, that thread's oldest is settled without one (a
-# forward whose backward never comes). Past MAX_OPEN_STEPS_ALL of all threads', the oldest is sealed:
-# a thread that stopped with a step open must not hold back every later step for ever.
-MAX_OPEN_STEPS = 4
-MAX_OPEN_STEPS_ALL = 256
-
 
 def running_forward() -> tuple[DataParallel, _ForwardState] | None:
     """The DataParallel whose forward runs on this thread, with its forward's state; None outside one."""
@@ -114,15 +103,7 @@ class DataParallel(nn.Module):
         first runs, and numbers its steps from 1.
         """
         self._pool: WorkerPool | None = None
-        self._step = 0
-        self._subscribers: list[StepCallback] = []
-        self._record_lock = threading.Lock()
-        # The newest steps, oldest first, while their backward may still come (MAX_OPEN_STEPS at most).
-        self._open: collections.deque[_PendingStep] = collections.deque()
-        # Steps that will take no more, oldest first, until their spans are done (CUDA: events).
-        self._completing: collections.deque[_PendingStep] = collections.deque()
-        self._publish_lock = threading.RLock()  # one publisher at a time, in step order
-        self._last_step: StepRecord | None = None
+        self._records = StepRecords(weakref.WeakMethod(self._shape_record), weakref.WeakMethod(self._backward_ran))
         self._saved_bytes = SavedBytesCache()
         self._plan: ReplicationPlan | None = None
 
@@ -239,8 +220,7 @@ class DataParallel(nn.Module):
         for them (at a later step, or on a watcher thread), and at the program's end. It runs
         on the thread that finished it; keep it cheap.
         """
-        self._subscribers.append(callback)
-        return lambda: self._subscribers.remove(callback) if callback in self._subscribers else None
+        return self._records.subscribe(callback)
 
     @property
     def _forward_state(self) -> _ForwardState | None:
@@ -253,12 +233,16 @@ class DataParallel(nn.Module):
     def last_step(self) -> StepRecord | None:
         """The newest step's record (its backward times once its backward has run; on CUDA once
         the device has run it: reading this never waits for the device)."""
-        self.finish_completed()
-        with self._record_lock:
-            newest = self._open[-1] if self._open else self._completing[-1] if self._completing else None
-        if newest is not None and newest.ready(with_backward=False):
-            return newest.build(with_backward=False)  # its forward's half, while the rest is to come
-        return self._last_step
+        return self._records.last()
+
+    @property
+    def step_count(self) -> int:
+        """How many steps this object has recorded so far (the newest one's number)."""
+        return self._records.count
+
+    def flush_steps(self, wait: bool = True) -> None:
+        """Publish every step still open, waiting for the device if need be: for the program's end."""
+        self._records.flush(wait=wait)
 
     def worker_thread_ids(self) -> dict[str, int]:
         """device name -> native id of the thread that runs its replica (empty until first used)."""
@@ -268,10 +252,10 @@ class DataParallel(nn.Module):
         # Collected with a step still open (built per call and dropped before its backward, as
         # torch's functional form does): publish it, as the next forward would. On CUDA the
         # watcher holds this object until the step's events have completed.
-        state = self.__dict__
-        if state.get("_open") or state.get("_completing"):
+        records = self.__dict__.get("_records")
+        if records is not None and records.holding:
             try:
-                self.flush_steps(wait=False)
+                records.flush(wait=False)
             except Exception:  # noqa: BLE001 - at interpreter shutdown there is nothing left to publish to
                 pass
 
@@ -288,7 +272,7 @@ class DataParallel(nn.Module):
             return _forward_uncompiled(self, *inputs, **kwargs)
         if not self.devices:
             return self.module(*inputs, **kwargs)
-        self.finish_completed()
+        self._records.finish_completed()
         state = _ForwardState(time.perf_counter())
         if self.recording:
             self._start_clock(state)
@@ -446,7 +430,7 @@ class DataParallel(nn.Module):
         running = getattr(_running, "forward", None)
         if not self.devices or (running is not None and running[0] is self):
             return forward(self, *inputs, **kwargs)  # nothing to split, or an override's super().forward()
-        self.finish_completed()
+        self._records.finish_completed()
         state = _ForwardState(time.perf_counter())
         state.by_pieces = True
         if self.recording:
@@ -503,8 +487,10 @@ class DataParallel(nn.Module):
                 ReplicaProbe(i, self.devices[s], device_name(self.devices[s]), self.dim, reset_peak=False)
                 for i, s in enumerate(slots)
             ]
-            pending = state.pending = _PendingStep(self, probes, state)
-            pending.split, pending.slots = self._split, slots
+            pending = state.pending = PendingStep(
+                self._records, probes, self.dim, self.devices[0].type == "cuda", self._split,
+                state.times[0], state.origins, state.src, state.phase_points)
+            pending.slots = slots
         return slots
 
     def _run_alone(self, state: _ForwardState, args: tuple, kwargs: dict[str, Any]) -> Any:
@@ -568,7 +554,7 @@ class DataParallel(nn.Module):
             times=(scattered - started, replicated - scattered, applied - replicated,
                    finished - applied, finished - started),
         )
-        self._begin(pending)
+        self._records.begin(pending)
 
     def _parallel_apply(self, replicas, args, kwargs_list, slots, probes, binders=None) -> list[Any]:
         if self._pool is None:
@@ -624,98 +610,17 @@ class DataParallel(nn.Module):
 
     # -- records ---------------------------------------------------------------
 
-    def _begin(self, pending: _PendingStep) -> None:
-        expected = sum(1 for p in pending.probes if p.backward is not None)
-        if expected:
-            pending.countdown.expect(expected)
-        else:
-            pending.settled = True  # no backward to wait for (no_grad, nothing requires grad)
-        with self._record_lock:
-            # Numbered as it joins the open steps: forwards of several threads at once each get
-            # a number, in the order they are published.
-            _set(self, "_step", self._step + 1)
-            pending.step = self._step
-            self._open.append(pending)
-            mine = [p for p in self._open if p.thread == pending.thread and not p.settled]
-            for older in mine[:-MAX_OPEN_STEPS]:
-                older.settled = True  # its backward is not coming (or came too late to wait for)
-            while len(self._open) > MAX_OPEN_STEPS_ALL:
-                self._seal(self._open.popleft())
-        _at_exit.track(self)
-        self._seal_settled()
+    def _backward_ran(self, step: int) -> None:
+        """Step `step`'s backward completed (inside the backward call): for a subclass to note."""
 
-    def _on_backward_done(self, pending: _PendingStep) -> None:
-        pending.backward_done = pending.settled = True
-        # Older steps whose backward has not run by the end of this backward pass get none: sealed then.
-        try:
-            torch.autograd.Variable._execution_engine.queue_callback(partial(self._backward_pass_ended, pending))
-        except RuntimeError:  # not inside the engine's pass (a replica's backward run by hand)
-            self._backward_pass_ended(pending)
-
-    def _backward_pass_ended(self, ended: _PendingStep) -> None:
-        """Older steps of the same thread whose backward has not run by now get none. Another
-        thread's are left open: their backward is that thread's to call."""
-        with self._record_lock:
-            for probe in ended.probes:
-                probe.read_peak_after_backward()
-            for pending in self._open:
-                if pending.step <= ended.step and pending.thread == ended.thread:
-                    pending.settled = True
-        self._seal_settled()
-
-    def _seal_settled(self) -> None:
-        """Seal the oldest open steps while they are settled: steps are published in order."""
-        with self._record_lock:
-            while self._open and self._open[0].settled:
-                self._seal(self._open.popleft())
-        self.finish_completed()
-        if self._completing:
-            _watcher.watch(self)
-
-    def _seal(self, pending: _PendingStep) -> None:
-        """Under the record lock: the step takes no more; finished once its spans are done (on the host)."""
-        pending.with_backward = pending.backward_done
-        self._completing.append(pending)
-
-    def finish_completed(self, wait: bool = False) -> None:
-        """Publish the steps that take no more and whose spans are done, oldest first.
-
-        Never waits for the device unless `wait` (the program's end): a step whose CUDA events
-        have not completed stays for a later call (the next forward, `last_step`, the watcher).
-        """
-        with self._publish_lock:
-            while True:
-                with self._record_lock:
-                    if not self._completing:
-                        return
-                    pending = self._completing[0]
-                if wait:
-                    pending.wait()
-                elif not pending.ready(pending.with_backward):
-                    return
-                with self._record_lock:
-                    self._completing.popleft()
-                self._publish(pending)
-
-    def flush_steps(self, wait: bool = True) -> None:
-        """Publish every step still open, waiting for the device if need be: for the program's end."""
-        with self._record_lock:
-            while self._open:
-                self._seal(self._open.popleft())
-        self.finish_completed(wait=wait)
-        if self._completing:
-            _watcher.watch(self)
-
-    def _publish(self, pending: _PendingStep) -> None:
-        record = pending.build(with_backward=pending.with_backward)
+    def _shape_record(self, pending: PendingStep, record: StepRecord) -> StepRecord:
+        """A step of the split in use feeds the auto-balancer, which may add its figures."""
         balancer = self._balancer
         if balancer is not None and pending.split is self._split:
-            record = self._balance(balancer, pending, record)
-        _set(self, "_last_step", record)
-        for callback in list(self._subscribers):
-            callback(record)
+            return self._balance(balancer, pending, record)
+        return record
 
-    def _balance(self, balancer: Balancer, pending: _PendingStep, record: StepRecord) -> StepRecord:
+    def _balance(self, balancer: Balancer, pending: PendingStep, record: StepRecord) -> StepRecord:
         """Feed the step to the balancer; its new split holds from the next forward on."""
         sizes = [0] * len(self.devices)
         times = [0.0] * len(self.devices)
@@ -752,7 +657,7 @@ class _ForwardState:
         self.share_nodes: list[Any] = []  # each replica's SharedParameters node, from replicate
         self.slots: list[int] | None = None  # device slot of each replica, set by scatter
         self.probes: list[ReplicaProbe] | None = None  # recording: one per replica
-        self.pending: _PendingStep | None = None  # recording: the step's record, waiting for backward
+        self.pending: PendingStep | None = None  # recording: the step's record, waiting for backward
         self.measured = False  # the replicas ran through the probes
         self.times = [started]  # started, scattered, replicated, applied, gathered
         # CUDA, recording: the step's reference point on each device, and where the replicate,
@@ -766,86 +671,6 @@ class _ForwardState:
         points = self.phase_points
         if points is not None and len(points) < 3:
             points.append(point(self.src))
-
-
-class _PendingStep:
-    """A step whose record waits for its backward, then (CUDA) for its events to complete."""
-
-    def __init__(self, owner: DataParallel, probes: list[ReplicaProbe], state: _ForwardState) -> None:
-        self.step = 0  # numbered when its forward has run (DataParallel._begin)
-        self.thread = threading.get_ident()  # the thread whose forward it is, and whose backward it awaits
-        self.probes = probes
-        self.dim = owner.dim
-        self.cuda = owner.devices[0].type == "cuda"
-        self.backward_done = False
-        self.settled = False  # its backward has run, will not come, or there is none to wait for
-        self.with_backward = False  # once sealed: whether the record has its backward
-        self.split = owner._split
-        self.slots: list[int] = []
-        self.origin = HostSpan()
-        self.origin.started = state.times[0]  # the DataParallel forward's call, on the host clock
-        self.origins = state.origins or {}
-        self.src = state.src
-        self.phase_points = state.phase_points
-        # Weak references: the graph's hooks hold the countdown, and a strong one back to
-        # this step (or its owner) would be a reference cycle that outlives the backward.
-        self.countdown = BackwardCountdown(
-            partial(_notify_backward_done, weakref.ref(owner), weakref.ref(self))
-        )
-        self._forward: dict[str, Any] = {}
-
-    def set_forward(self, batch_size, input_shapes, output_shapes, times) -> None:
-        self._forward = dict(batch_size=batch_size, input_shapes=input_shapes,
-                             output_shapes=output_shapes, times=times)
-
-    def ready(self, with_backward: bool) -> bool:
-        """Whether every span the record reads is done: asks the device, never waits for it."""
-        return (all(o.done() for o in self.origins.values())
-                and all(p.done() for p in self.phase_points or ())
-                and all(p.done(with_backward) for p in self.probes))
-
-    def wait(self) -> None:
-        for o in self.origins.values():
-            o.wait()
-        for p in self.phase_points or ():
-            p.wait()
-        for p in self.probes:
-            p.wait(self.with_backward)
-
-    def build(self, with_backward: bool) -> StepRecord:
-        host = self.origin
-        replicas = tuple(p.record(self.origins.get(p.device, host), host.started, with_backward)
-                         for p in self.probes)
-        backward_start = backward_ms = None
-        ran = [r for r in replicas if r.backward_ms is not None]
-        if ran:
-            # Each replica's on its own device's clock, from that device's reference point.
-            backward_start = min(r.backward_start_ms for r in ran)
-            backward_ms = max(r.backward_start_ms + r.backward_ms for r in ran) - backward_start
-        f = self._forward
-        times = f["times"]
-        scatter, replicate_, apply, gather_, total = (t * 1000.0 for t in times)
-        starts = self._phase_starts(scatter, replicate_, apply)
-        split, weights, balanced = describe_split(self.split)
-        return StepRecord(
-            step=self.step, dim=self.dim, batch_size=f["batch_size"],
-            input_shapes=f["input_shapes"], output_shapes=f["output_shapes"], replicas=replicas,
-            scatter_ms=scatter, replicate_ms=replicate_, apply_ms=apply, gather_ms=gather_,
-            total_ms=total, backward_ms=backward_ms,
-            split=split, split_weights=weights, balanced=balanced,
-            scatter_start_ms=starts[0], replicate_start_ms=starts[1], apply_start_ms=starts[2],
-            gather_start_ms=starts[3], backward_start_ms=backward_start,
-        )
-
-    def _phase_starts(self, scatter: float, replicate_: float, apply: float) -> tuple[float | None, ...]:
-        """Where scatter, replicate, apply and gather began: host clock on CPU, events on CUDA."""
-        if not self.cuda:
-            return 0.0, scatter, scatter + replicate_, scatter + replicate_ + apply
-        points = self.phase_points
-        if points is None or len(points) < 3 or self.src not in self.origins:
-            return None, None, None, None  # a forward override's pieces on CUDA: not measured
-        origin = self.origins[self.src]
-        return (0.0, *(p.start_ms(origin) for p in points))
 
 
 def _recorded_by_pieces(forward: Callable[..., Any]) -> Callable[..., Any]:
@@ -864,8 +689,7 @@ def _rows(args: Any, kwargs: dict[str, Any], dim: int) -> int:
 
 
 # Per-process runtime (see DataParallel._start_runtime): never pickled or copied.
-_RUNTIME = ("_pool", "_step", "_subscribers", "_record_lock", "_open", "_completing", "_publish_lock",
-            "_last_step", "_saved_bytes", "_plan")
+_RUNTIME = ("_pool", "_records", "_saved_bytes", "_plan")
 # dpengine's settings beyond torch's attributes (module, dim, device_ids, output_device, src_device_obj).
 _ENGINE_CONFIG = ("devices", "_split", "_split_kind", "_balancer", "recording")
 
@@ -931,89 +755,6 @@ def _run_in_worker(bind: Callable[[], Any] | None, nodes: list[Any] | None, inde
     if probe is None:
         return replica(*args, **kwargs)
     return probe.measure(replica, args, kwargs)
-
-
-class _CompletionWatcher:
-    """Finishes steps whose CUDA events have not yet completed, off the training thread.
-
-    A step is then published soon after the device ran it, not at the next forward; and a
-    DataParallel dropped meanwhile is held here until its last steps are out.
-    """
-
-    POLL_S = 0.02  # a step is out within this of the device running it; the UI redraws at 10 Hz
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._owners: set[DataParallel] = set()
-        self._thread: threading.Thread | None = None
-
-    def watch(self, owner: DataParallel) -> None:
-        with self._cond:
-            self._owners.add(owner)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="dpengine-steps", daemon=True)
-                self._thread.start()
-            self._cond.notify()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._owners:
-                    self._cond.wait()
-                owners = list(self._owners)
-            time.sleep(self.POLL_S)
-            for owner in owners:
-                first = owner.devices[0] if owner.devices else None
-                if first is not None and first.type == "cuda":
-                    # This thread's current device would be GPU 0 (a context opened there, for a
-                    # run on other GPUs): query the events from the run's own first device.
-                    with torch.cuda.device(first):
-                        owner.finish_completed()
-                else:
-                    owner.finish_completed()
-                with self._cond:  # a step sealed after this check is watched again by its _seal
-                    if not owner._completing:
-                        self._owners.discard(owner)
-            owners = owner = None  # hold none of them while waiting
-
-
-class _StepsAtExit:
-    """At the program's end, every DataParallel that recorded publishes the steps it still holds.
-
-    Registered with atexit at the first recorded step, not at import: atexit runs the newest
-    first, so this runs before whatever was registered earlier (`dptui run`'s flush to dptui).
-    """
-
-    def __init__(self) -> None:
-        self._owners: weakref.WeakSet[DataParallel] = weakref.WeakSet()
-        self._registered = False
-
-    def track(self, owner: DataParallel) -> None:
-        if owner in self._owners:
-            return
-        self._owners.add(owner)
-        if not self._registered:
-            self._registered = True
-            atexit.register(self.flush)
-
-    def flush(self) -> None:
-        for owner in list(self._owners):
-            owner.flush_steps()
-
-
-_watcher = _CompletionWatcher()
-_at_exit = _StepsAtExit()
-
-
-def publish_held_steps() -> None:
-    """Every DataParallel's open steps, published now: what atexit does, for an exit that skips it."""
-    _at_exit.flush()
-
-
-def _notify_backward_done(owner_ref: weakref.ref, pending_ref: weakref.ref) -> None:
-    owner, pending = owner_ref(), pending_ref()
-    if owner is not None and pending is not None:
-        owner._on_backward_done(pending)
 
 
 # "weighted" is what the weights were called before they were "weights" everywhere: still accepted.

@@ -50,7 +50,7 @@ class LateSpan(HostSpan):
 def delay_backward(dp) -> list[LateSpan]:
     """Make the in-flight step's backward spans complete only when released."""
     late = []
-    for probe in dp._open[-1].probes:
+    for probe in dp._records._open[-1].probes:
         timer = probe.backward
         timer.span = LateSpan(timer.span)
         late.append(timer.span)

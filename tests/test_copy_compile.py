@@ -81,7 +81,7 @@ def test_a_copy_keeps_the_modules_state_and_runs_on_its_own_workers(make_dp, how
         assert set(clone.worker_thread_ids().values()).isdisjoint(dp.worker_thread_ids().values())
         assert clone.module[0].weight.grad is not None
         # the original trains on, unaffected
-        before = dp._step
+        before = dp.step_count
         train_step(dp, x)
         assert dp.last_step.step == before + 1
         assert out.shape == (12, 3)
@@ -100,7 +100,7 @@ def test_a_deepcopy_shares_nothing_it_should_not(make_dp):
         assert not torch.equal(clone.module[0].weight, dp.module[0].weight)
         clone(torch.randn(6, 6))
         assert hook_calls == [1]  # the module's hooks are part of its state, as for torch's
-        assert clone._record_lock is not dp._record_lock and clone._subscribers == []
+        assert clone._records is not dp._records and clone._records._subscribers == []
     finally:
         clone.close()
 

@@ -536,7 +536,7 @@ def test_a_backward_over_two_forwards_gives_both_steps_their_backward(make_dp) -
 
 
 def test_forwards_whose_backward_never_comes_are_published_in_order_a_few_steps_late(make_dp) -> None:
-    from dpengine.data_parallel import MAX_OPEN_STEPS
+    from dpengine.step_records import MAX_OPEN_STEPS
 
     dp = make_dp(nn.Linear(3, 1), cpus(2))
     got: list[StepRecord] = []

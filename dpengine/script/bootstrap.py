@@ -60,7 +60,7 @@ def _connect() -> None:
 def _flush_at_hard_exit(flush: Callable[[], Any]) -> None:
     """os._exit skips atexit: in the script's own process it first sends what the steps hold (as
     atexit would), then exits as asked. The script's other exit handlers stay skipped."""
-    from ..data_parallel import publish_held_steps
+    from ..step_records import publish_held_steps
 
     hard_exit, script_pid = os._exit, os.getpid()
 

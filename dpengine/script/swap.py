@@ -72,11 +72,10 @@ class DataParallel(EngineDataParallel):
         if phases is not None:
             phases.hold(self._dptui_key, record)  # out with its optimizer time, at the next forward
 
-    def _on_backward_done(self, pending) -> None:
+    def _backward_ran(self, step: int) -> None:
         phases, key = _phases, self.__dict__.get("_dptui_key")
         if phases is not None and key is not None:
-            phases.backward_done(key, pending.step)  # inside the backward call: its loss is this step's
-        super()._on_backward_done(pending)
+            phases.backward_done(key, step)  # inside the backward call: its loss is this step's
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # A deepcopy (an EMA model) or an unpickled one: an instance of its own, with its own steps.
@@ -130,7 +129,7 @@ class DataParallel(EngineDataParallel):
             if link.control_version != self._dptui_control:
                 self._follow_devices(link)
             if phases is not None:
-                phases.forward_begins(self._dptui_key, self._step + 1)
+                phases.forward_begins(self._dptui_key, self.step_count + 1)
 
     def _follow_devices(self, link: ParentLink) -> None:
         object.__setattr__(self, "_dptui_control", link.control_version)
@@ -145,7 +144,7 @@ class DataParallel(EngineDataParallel):
             return
         self.set_devices(devices)
         link.post({"type": "config", "instance": self._dptui_key,
-                   "devices": list(target), "step": self._step + 1, "request": request})
+                   "devices": list(target), "step": self.step_count + 1, "request": request})
 
 
 def _notice_once(text: str) -> None:
