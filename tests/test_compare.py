@@ -45,6 +45,8 @@ def test_a_data_delay_is_found_in_the_data_phase_and_nowhere_else(tmp_path, monk
         changed(report), report["rows"]
     # The input's delay is most of the step's change; the devices' own times moved by next to nothing.
     assert report["verdict"].startswith("B is slower: step time +"), report["verdict"]
+    step = next(r for r in report["rows"] if (r["unit"], r["metric"]) == ("run", "step"))
+    assert 0 <= step["drift"] < step["b"] - step["a"], step  # each run steadier than the change
     where = report["where"]
     assert (where[0]["unit"], where[0]["metric"]) == ("run", "data") and where[0]["share"] > 0.75, where
     assert not [w for w in where if w["unit"] != "run"], where

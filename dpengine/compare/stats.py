@@ -5,7 +5,8 @@ interval of the change in median is a moving-block bootstrap (blocks of consecut
 of the run long, or n^(1/3) steps if more), which keeps such stretches together and gives an
 honest, wider interval than resampling single steps would. Seeded: the same two runs give the
 same interval. What no interval inside a run can see is a machine busier during one run than the
-other: compare runs from the same machine, long enough to span its bursts.
+other; the nearest sign of it a run gives is its own drift (its second half against its first), and
+a change no larger than either run's drift is not told apart from it.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ class Change:
     high: float
     n_a: int
     n_b: int
+    drift: float = 0.0  # the larger of the two runs' own drift, second half's median against first's
+
 
     @property
     def delta(self) -> float:
@@ -45,8 +48,9 @@ class Change:
 
     @property
     def significant(self) -> bool:
-        """The interval leaves out no change at all."""
-        return self.low > 0 or self.high < 0
+        """The interval leaves out no change at all, and the change is larger than either run moved
+        within itself: a machine busier for a while moves one run's median as much."""
+        return (self.low > 0 or self.high < 0) and abs(self.delta) > self.drift
 
 
 def median(values: Sequence[float]) -> float:
@@ -63,6 +67,12 @@ def _block_medians(values: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     return np.median(values[index], axis=1)
 
 
+def drift(values: np.ndarray) -> float:
+    """How far a run moved within itself: the median of its second half against its first's."""
+    half = len(values) // 2
+    return abs(float(np.median(values[half:]) - np.median(values[:half])))
+
+
 def change(a: Sequence[float], b: Sequence[float]) -> Change | None:
     """None when either side has fewer than 3 values."""
     if len(a) < 3 or len(b) < 3:
@@ -72,4 +82,5 @@ def change(a: Sequence[float], b: Sequence[float]) -> Change | None:
     deltas = _block_medians(xb, rng) - _block_medians(xa, rng)
     tail = (1 - CONFIDENCE) / 2 * 100
     low, high = np.percentile(deltas, [tail, 100 - tail])
-    return Change(float(np.median(xa)), float(np.median(xb)), float(low), float(high), len(xa), len(xb))
+    return Change(float(np.median(xa)), float(np.median(xb)), float(low), float(high), len(xa), len(xb),
+                  max(drift(xa), drift(xb)))

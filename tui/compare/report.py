@@ -92,7 +92,7 @@ def comparison_json(comparison: Comparison, names: tuple[str, str], advice: tupl
         found = r.change
         return {"unit": r.unit, "metric": r.metric, "a": r.a, "b": r.b, "change_pct": r.pct,
                 "low": found.low if found else None, "high": found.high if found else None,
-                "verdict": r.verdict}
+                "drift": found.drift if found else None, "verdict": r.verdict}
 
     return {"a": {"file": names[0], "workload": workload(comparison.a), "steps": comparison.steps[0],
                   "advice": [{"kind": a.kind, "text": a.text, "figures": a.figures} for a in advice[0]]},
