@@ -675,3 +675,27 @@ async def test_toasts_do_not_stack_up_the_screen(size):
         await pilot.pause()
         assert [n.message for n in app._notifications].count("notice 5") == 1  # replaced, not repeated
         await pilot.press("q")
+
+
+@pytest.mark.parametrize("size", [(80, 24), (120, 36)])
+async def test_behind_a_dialog_the_screen_is_redrawn_once_a_second_and_at_once_when_it_closes(size):
+    # At 10 Hz under a dialog's tint, the redraws wrote 6x the bytes and the training thread lost 15%
+    # of its steps to the UI's share of the GIL.
+    now = [100.0]
+    trainer = ScriptedTrainer(demo_events(DEVICES, epochs=1))
+    app = DptuiApp(factory_of(trainer), clock=lambda: now[0])
+    async with app.run_test(size=size) as pilot:
+        await started(pilot, trainer)
+        await pilot.press("b")
+        await until(lambda: shown(app, BatchSizeScreen))
+        app.session.view.feed(step_event(5, 2, 1, 4, 30, DEVICES))
+        app.refresh_view()
+        assert "(#4)" in status(app)  # drawn less than a second ago, behind the dialog
+        now[0] += 1.0
+        await until(lambda: "(#5)" in status(app), what="the redraw a second later")
+        app.session.view.feed(step_event(6, 2, 2, 4, 30, DEVICES))
+        await pilot.press("escape")
+        await until(lambda: not isinstance(app.screen, BatchSizeScreen))
+        await until(lambda: "(#6)" in status(app), what="the redraw once the dialog closed")
+        assert now[0] == 101.0  # with no second gone by
+        await quit_app(app)
