@@ -21,7 +21,7 @@ from .balance import Balancer, BalancedSplit
 from .cuda_memory import KEEPER as _PEAKS
 from .device_random import SeedProbe, replica_random, replica_seeds
 from .devices import (
-    DeviceLike, default_devices, device_name, parse_device, parse_output_device, resolve_devices,
+    DeviceLike, default_devices, device_name, device_slots, parse_device, parse_output_device, resolve_devices,
 )
 from .instrument import ReplicaProbe, SavedBytesCache, Span, point, shapes_of, tensors_of
 from .parallel_apply import ThreadState, WorkerPool, reraise, run_in_state
@@ -76,7 +76,7 @@ class DataParallel(nn.Module):
         torch._C._log_api_usage_once("dpengine.DataParallel")
         self.module = module
         self.dim = dim
-        self.devices = resolve_devices(device_ids) if device_ids is not None else default_devices()
+        self.devices = resolve_devices(device_ids, repeats=True) if device_ids is not None else default_devices()
         self.device_ids = [d.index if d.type == "cuda" else d for d in self.devices]
         if not self.devices:
             self.output_device = None
@@ -193,7 +193,7 @@ class DataParallel(nn.Module):
         one entry per new device, else the split is even. Gathered outputs that went to the
         first device go to the new first device.
         """
-        devices = resolve_devices(device_ids)  # a ValueError for an empty or bad list
+        devices = resolve_devices(device_ids, repeats=True)  # a ValueError for an empty or bad list
         self.close()  # the workers were for the old devices
         if self.output_device == self.src_device_obj:
             self.output_device = devices[0]
@@ -313,7 +313,10 @@ class DataParallel(nn.Module):
         else:
             # An override scattering over a subset (BalancedDataParallel leaves out device 0).
             devices = [parse_device(d) for d in device_ids]
-            split, slots_of = Split(len(devices)), [self.devices.index(d) for d in devices]
+            split, slots_of = Split(len(devices)), device_slots(self.devices, devices)
+            if slots_of is None:
+                raise ValueError(f"scatter over {list(device_ids)}: each must be one of this DataParallel's "
+                                 f"devices, {self.device_ids}")
         args, kwargs_list, slots = scatter_kwargs(inputs, kwargs, devices, split, self.dim)
         state = self._forward_state
         if state is not None:
@@ -402,10 +405,7 @@ class DataParallel(nn.Module):
                      devices: Sequence[DeviceLike | None] | None) -> list[int] | None:
         """The device slot each of `count` replicas runs in."""
         if devices is not None and all(d is not None for d in devices):
-            parsed = [parse_device(d) for d in devices]
-            if not all(d in self.devices for d in parsed):
-                return None
-            return [self.devices.index(d) for d in parsed]
+            return device_slots(self.devices, [parse_device(d) for d in devices])
         if state is not None and state.slots is not None and len(state.slots) == count:
             return list(state.slots)
         return list(range(count)) if count <= len(self.devices) else None
@@ -468,13 +468,9 @@ class DataParallel(nn.Module):
     def _slots_of(self, args: Sequence[Any], kwargs_list: Sequence[Any]) -> list[int]:
         """Device slots of inputs a scatter override made: where their tensors are (CUDA), else in order."""
         if self.src_device_obj.type == "cuda":
-            slots = []
-            for a, kw in zip(args, kwargs_list):
-                tensors = tensors_of((a, kw))
-                if not tensors or tensors[0].device not in self.devices:
-                    return list(range(len(args)))
-                slots.append(self.devices.index(tensors[0].device))
-            return slots
+            firsts = [tensors_of((a, kw))[:1] for a, kw in zip(args, kwargs_list)]
+            slots = device_slots(self.devices, [t[0].device for t in firsts]) if all(firsts) else None
+            return slots if slots is not None else list(range(len(args)))
         return list(range(len(args)))
 
     def _start_step(self, state: _ForwardState, args: Sequence[Any], kwargs_list: Sequence[Any]) -> list[int]:

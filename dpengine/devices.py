@@ -97,8 +97,27 @@ def _check_index(spec: DeviceLike) -> None:
         raise ValueError(f"invalid device {spec!r}: {what} {kind}:{limit} ({_describe_available()})")
 
 
-def resolve_devices(specs: Sequence[DeviceLike]) -> list[torch.device]:
-    """Parse and check a whole list; raise ValueError naming the bad entry."""
+def device_slots(listed: Sequence[torch.device], wanted: Sequence[torch.device]) -> list[int] | None:
+    """Each of `wanted`'s slot in `listed` (None if one is not listed): a device listed more than
+    once fills its slots in order, and one wanted more often than listed reuses its last slot."""
+    free: dict[torch.device, list[int]] = {}
+    for slot, device in enumerate(listed):
+        free.setdefault(device, []).append(slot)
+    slots = []
+    for device in wanted:
+        left = free.get(device)
+        if not left:
+            return None
+        slots.append(left.pop(0) if len(left) > 1 else left[0])
+    return slots
+
+
+def resolve_devices(specs: Sequence[DeviceLike], *, repeats: bool = False) -> list[torch.device]:
+    """Parse and check a whole list; raise ValueError naming the bad entry.
+
+    `repeats`: a device may be listed more than once, a replica for each entry, as torch's
+    DataParallel takes `device_ids=[0, 0]` (dptui's own runs show a panel per device, so refuse it).
+    """
     if isinstance(specs, (str, int, torch.device)):
         specs = [specs]
     if len(specs) == 0:
@@ -106,7 +125,7 @@ def resolve_devices(specs: Sequence[DeviceLike]) -> list[torch.device]:
     devices = [parse_device(spec) for spec in specs]
     seen: set[torch.device] = set()
     for spec, device in zip(specs, devices):
-        if device in seen:
+        if device in seen and not repeats:
             raise ValueError(
                 f"device {spec!r} ({device_name(device)}) is listed twice: each device may appear "
                 f"once ({_describe_available()})"

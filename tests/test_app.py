@@ -699,3 +699,18 @@ async def test_behind_a_dialog_the_screen_is_redrawn_once_a_second_and_at_once_w
         await until(lambda: "(#6)" in status(app), what="the redraw once the dialog closed")
         assert now[0] == 101.0  # with no second gone by
         await quit_app(app)
+
+
+def test_a_device_listed_twice_has_one_panel_with_both_replicas_rows_and_the_slower_ones_times():
+    # torch's DataParallel takes device_ids=[0, 0], and so does dpengine's: a `dptui run` script may.
+    view = RunView(lambda: 0.0)
+    view.feed(demo_events(("cpu:0", "cpu:1"), epochs=0)[0])
+    event = step_event(1, 1, 1, 4, 30, ("cpu:0", "cpu:0", "cpu:1"))
+    view.feed(event)
+    first, second, other = event.record.replicas
+    panels = {p.device: p for p in view.snapshot().panels}
+    assert (panels["cpu:0"].chunk, panels["cpu:1"].chunk) == (20, 10)
+    assert panels["cpu:0"].forward_ms == max(first.forward_ms, second.forward_ms)
+    assert panels["cpu:0"].backward_ms == max(first.backward_ms, second.backward_ms)
+    assert panels["cpu:0"].memory_bytes == first.memory_bytes + second.memory_bytes
+    assert panels["cpu:1"].forward_ms == other.forward_ms

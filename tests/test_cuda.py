@@ -101,6 +101,27 @@ def test_single_gpu_parity(make_dp) -> None:
     run_steps(plain, dp, torch.device("cuda", 0))
 
 
+def test_two_replicas_on_one_gpu_match_torchs_dataparallel_of_device_ids_0_0(make_dp) -> None:
+    # One GPU takes DataParallel's single-device path; [0, 0] runs the real scatter, replicate and
+    # gather (torch's own tests do), so this is what a one-GPU machine checks of them.
+    torch.manual_seed(0)
+    plain = make_mlp().cuda()
+    reference = nn.DataParallel(copy.deepcopy(plain), device_ids=[0, 0])
+    dp = make_dp(copy.deepcopy(plain), device_ids=[0, 0])
+    assert dp.device_ids == [0, 0]
+    x = torch.randn(11, 5, device="cuda")
+    out_ref, out_dp = reference(x), dp(x)
+    torch.testing.assert_close(out_dp, out_ref, atol=1e-5, rtol=1e-5)
+    out_ref.pow(2).sum().backward()
+    out_dp.pow(2).sum().backward()
+    assert_grads_close(reference.module, dp.module, atol=1e-5, rtol=1e-5)
+    record = finished(dp)
+    assert record.chunk_sizes == (6, 5) and record.devices == ("cuda:0", "cuda:0")
+    assert [r.index for r in record.replicas] == [0, 1]
+    assert all(r.forward_ms is not None and r.forward_ms > 0 for r in record.replicas)
+    run_steps(copy.deepcopy(plain), make_dp(copy.deepcopy(plain), device_ids=[0, 0]), torch.device("cuda", 0))
+
+
 def test_single_gpu_moves_the_module_and_cpu_inputs() -> None:
     torch.manual_seed(1)
     plain = make_mlp()  # stays on the CPU

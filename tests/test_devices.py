@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from dpengine import DataParallel, auto_devices, available_devices, device_name, resolve_devices
-from dpengine.devices import parse_device
+from dpengine.devices import device_slots, parse_device
 
 HAS_CUDA = torch.cuda.is_available()
 CUDA_COUNT = torch.cuda.device_count() if HAS_CUDA else 0
@@ -102,8 +102,8 @@ def test_data_parallel_checks_its_device_list() -> None:
         DataParallel(nn.Linear(2, 2), ["gpu:0"])
     with pytest.raises(ValueError, match="empty device list"):
         DataParallel(nn.Linear(2, 2), [])
-    with pytest.raises(ValueError, match="listed twice"):
-        DataParallel(nn.Linear(2, 2), ["cpu:1", "cpu:1"])
+    # as torch's DataParallel takes device_ids=[0, 0]: a replica for each entry (dptui's --devices refuses it)
+    assert resolve_devices(["cpu:1", "cpu:1"], repeats=True) == [torch.device("cpu", 1)] * 2
 
 
 @no_cuda
@@ -174,3 +174,12 @@ def test_auto_and_available_devices() -> None:
     offered = available_devices([torch.device("cpu", 5)])
     assert offered[:6] == [torch.device("cpu", i) for i in range(6)]
     assert all(d.type == "cpu" for d in offered)
+
+
+def test_device_slots_fill_a_device_listed_twice_in_order() -> None:
+    cpu0, cpu1 = torch.device("cpu", 0), torch.device("cpu", 1)
+    listed = [cpu0, cpu0, cpu1]
+    assert device_slots(listed, [cpu0, cpu0, cpu1]) == [0, 1, 2]
+    assert device_slots(listed, [cpu1, cpu0]) == [2, 0]
+    assert device_slots([cpu0, cpu1], [cpu0, cpu0]) == [0, 0]  # wanted more often than listed: its slot again
+    assert device_slots(listed, [torch.device("cpu", 2)]) is None

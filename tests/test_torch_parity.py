@@ -431,3 +431,25 @@ def test_a_lazy_module_gives_torchs_own_error_and_runs_alone_to_initialize(make_
     out = alone(torch.randn(4, 5))
     out.sum().backward()
     assert alone.last_step.chunk_sizes == (2, 2) and alone.module.weight.grad is not None
+
+
+def test_a_device_listed_twice_runs_a_replica_for_each_entry(make_dp) -> None:
+    # torch's DataParallel takes device_ids=[0, 0] (its own tests run two replicas on one GPU).
+    torch.manual_seed(3)
+    model = nn.Linear(5, 2)
+    plain = copy.deepcopy(model)
+    dp = make_dp(model, ["cpu:0", "cpu:0", "cpu:1"])
+    seen: list[str] = []
+    model.register_forward_hook(lambda *_: seen.append(threading.current_thread().name))
+    x = torch.randn(30, 5)
+    out = dp(x)
+    torch.testing.assert_close(out, plain(x))
+    out.pow(2).sum().backward()
+    plain(x).pow(2).sum().backward()
+    assert_grads_equal(plain, model)
+    record = dp.last_step
+    assert record.chunk_sizes == (10, 10, 10) and record.devices == ("cpu:0", "cpu:0", "cpu:1")
+    assert [r.index for r in record.replicas] == [0, 1, 2]
+    assert all(r.forward_timed and r.backward_ms is not None for r in record.replicas)
+    assert sorted(seen) == ["dpengine-cpu:0", "dpengine-cpu:0", "dpengine-cpu:1"]  # a thread per entry
+

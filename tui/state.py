@@ -8,6 +8,7 @@ screen refreshes at the same pace however fast steps run.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import deque
@@ -229,7 +230,7 @@ class RunView:
         self._loss_history.append(event.loss)
         self._throughput_history.append(event.samples_per_s)
         self._throughput = _ema(self._throughput, event.samples_per_s)
-        for replica in event.record.replicas:
+        for replica in per_device(event.record.replicas).values():
             device = self._per_device.setdefault(replica.device, _Device())
             device.last = replica
             device.forward_ema = _ema(device.forward_ema, replica.forward_ms)
@@ -511,7 +512,7 @@ class RunView:
         if config is None:
             return ()
         target = self._pending_devices
-        in_step = {r.device: r for r in step.record.replicas} if step else {}
+        in_step = per_device(step.record.replicas) if step else {}
         names = dict(zip(config.available_devices, config.device_names))
         views = []
         for index, device in enumerate(config.available_devices):
@@ -544,6 +545,26 @@ class RunView:
                 )
             )
         return tuple(views)
+
+
+def per_device(replicas: Sequence[ReplicaRecord]) -> dict[str, ReplicaRecord]:
+    """Each device's share of a step, for its panel: a device listed twice (`device_ids=[0, 0]`) ran
+    a replica per entry, whose rows add up and whose slower one it shows (saved bytes add up on a
+    CPU; a GPU's memory is the device's, the same for both)."""
+    merged: dict[str, ReplicaRecord] = {}
+    for replica in replicas:
+        seen = merged.get(replica.device)
+        if seen is None:
+            merged[replica.device] = replica
+            continue
+        both_back = seen.backward_ms is not None and replica.backward_ms is not None
+        merged[replica.device] = dataclasses.replace(
+            seen, chunk_size=seen.chunk_size + replica.chunk_size,
+            forward_ms=max(seen.forward_ms, replica.forward_ms),
+            backward_ms=max(seen.backward_ms, replica.backward_ms) if both_back else None,
+            memory_bytes=(max if replica.device.startswith("cuda") else sum)((seen.memory_bytes, replica.memory_bytes)),
+        )
+    return merged
 
 
 def _slowest_replica_ms(step: StepFinished | None) -> float | None:
