@@ -6,6 +6,10 @@ and cnn workloads, with every batch already on the GPU. device_ids are all visib
 (one H200 gives [0]); a plain module on cuda:0 is the floor. Each sample is timed on the
 host between two torch.cuda.synchronize() calls and, alongside, with CUDA events.
 
+Then ResNet-50 under bf16 autocast (batch 64 of 224x224 images), torch's against dpengine's, on
+the device list and on each device listed twice (`device_ids=[0, 0]` on one GPU: the replicate,
+scatter and gather path that one device alone skips).
+
 Then the cost of NVML polling: dpengine training on mlp with dpengine.telemetry's
 TelemetryPoller sampling an NvmlSource at 2 Hz and at 10 Hz, against no polling; a poller
 runs only during its own samples, which last about a second each.
@@ -25,12 +29,15 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from torch.utils.data import TensorDataset
+
 from dpengine import DataParallel
-from dpengine.run.workloads import builtin_workload
+from dpengine.run.workloads import Workload, builtin_workload
 from dpengine.telemetry import NvmlSource, TelemetryPoller
 from dpengine.telemetry.poller import MIN_INTERVAL
 
 from .common import Goal, Row, Section, Stat
+from .resnet import resnet50
 from .training import Stepper, fixed_batches
 
 GOAL = 1.0  # dpengine's step time at or below torch's
@@ -107,6 +114,67 @@ def _stepper(gpu: Gpu, name: str, kind: str) -> Stepper:
         record = kind != "dpengine_off"
         wrap = lambda m: DataParallel(m, gpu.engine_devices, record=record)  # noqa: E731
     return Stepper(workload, wrap, batches)
+
+
+class AutocastStepper(Stepper):
+    """A training step with forward and loss under bf16 autocast, as mixed-precision scripts run."""
+
+    def __init__(self, *args, device_type: str, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.device_type = device_type
+
+    def step(self) -> float:
+        inputs, targets = self.batches[self.position]
+        self.position = (self.position + 1) % len(self.batches)
+        with torch.autocast(self.device_type, dtype=torch.bfloat16):
+            loss = self.workload.loss_fn(self.model(inputs), targets)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        return loss.item()
+
+
+def _resnet_steppers(gpu: Gpu, quick: bool) -> dict[str, Stepper]:
+    """torch's and dpengine's DataParallel of one ResNet-50 each, on the device list and doubled."""
+    batch, size = (4, 32) if gpu.dry_run or quick else (64, 224)
+    generator = torch.Generator().manual_seed(0)
+    images = torch.randn(batch * 2, 3, size, size, generator=generator)
+    labels = torch.randint(0, 1000, (batch * 2,), generator=generator)
+    batches = [(images[i * batch:(i + 1) * batch].to(gpu.device), labels[i * batch:(i + 1) * batch].to(gpu.device))
+               for i in range(2)]
+    torch_ids = gpu.ids or None
+    lists = {"": (torch_ids, gpu.engine_devices),
+             " twice": ((gpu.ids * 2) or None, gpu.engine_devices * 2)}
+    made = {}
+    for suffix, (ids, engine) in lists.items():
+        for kind in ("torch", "dpengine"):
+            torch.manual_seed(0)
+            workload = Workload("resnet50", resnet50().to(gpu.device), TensorDataset(images, labels),
+                                nn.functional.cross_entropy, batch_size=batch, lr=0.1)
+            wrap = ((lambda m, ids=ids: nn.DataParallel(m, device_ids=ids)) if kind == "torch"
+                    else (lambda m, engine=engine: DataParallel(m, engine)))
+            made[kind + suffix] = AutocastStepper(workload, wrap, batches, device_type=gpu.device.type)
+    return made
+
+
+def _resnet_bf16(gpu: Gpu, quick: bool, section: Section) -> str:
+    made = _resnet_steppers(gpu, quick)
+    try:
+        host, device = time_interleaved(gpu, {k: s.step for k, s in made.items()}, rounds=2 if quick else 8,
+                                        inner=1 if quick else 5, warmup=1 if quick else 5)
+    finally:
+        for s in made.values():
+            s.close()
+    ids = gpu.ids or ["cpu:0"]
+    said = []
+    for suffix, listed in (("", ids), (" twice", ids * 2)):
+        pair = {k: host[k + suffix] for k in ("torch", "dpengine")}
+        labels = {"torch": f"torch.nn.DataParallel, device_ids={listed}",
+                  "dpengine": f"dpengine.DataParallel (record on), device_ids={listed}"}
+        section.rows += _rows("7 GPU", f"ResNet-50 bf16 autocast (batch {made['torch'].workload.batch_size}), "
+                              "one training step", pair, {k: device.get(k + suffix, []) for k in pair}, "torch", labels)
+        said.append(f"{listed} {Stat.of(pair['dpengine']).median / Stat.of(pair['torch']).median:.3f}x")
+    return "ResNet-50 bf16 " + ", ".join(said)
 
 
 def _rows(bench: str, case: str, host: dict[str, list[float]], device: dict[str, list[float]],
@@ -205,9 +273,10 @@ def run(quick: bool = False) -> Section:
         off = Stat.of(host["dpengine_off"]).median / Stat.of(host["torch"]).median
         worst = max(worst, ratio)
         measured.append(f"{name} {ratio:.3f}x (record off {off:.3f}x)")
+    resnet = _resnet_bf16(gpu, quick, section)
     nvml = _nvml_cost(gpu, quick, section)
     section.goals.append(Goal(
-        7, goal_text, "dpengine/torch: " + ", ".join(measured) + f"; NVML polling: {nvml}",
+        7, goal_text, "dpengine/torch: " + ", ".join(measured) + f"; {resnet} (informational); NVML polling: {nvml}",
         "dry run" if dry_run else ("met" if worst <= GOAL else "MISSED"),
     ))
     return section

@@ -5,15 +5,17 @@
 #     scripts/gpu_check.sh --cpu-dry-run [OUT]      # here: the same steps on virtual CPU devices
 #                                                   (PYTHON=.venv/bin/python; checks the code, measures nothing)
 #
-# 1. pytest -m cuda                      (every cuda-marked test)
+# 1. pytest -m cuda                      (every cuda-marked test: among them two replicas on one GPU,
+#                                         device_ids=[0, 0], against torch's, and a script's own
+#                                         peaks under dptui run)
 # 2. run-ahead: torch's DataParallel and dpengine's on a large Linear, with and without grad
 #    (host time over device time: scripts/gpu_runahead.py)
 # 3. dptui --headless --json on cuda:0, dp and ddp backends: forward_ms > 0, NVML names
 # 4. dptui run examples/train_script.py on cuda:0: every step published (64)
-# 5. python -m bench --gpu-only
+# 5. python -m bench --gpu-only          (mlp, cnn; ResNet-50 bf16 on [0] and [0, 0]; NVML polling)
 # Everything goes to OUT_FOLDER (default gpu-check-DATE): one file per step and summary.txt,
-# whose last line says how many steps failed; the exit status is that number. About 3 minutes
-# on one GPU: each step is cut off after its own limit, and none runs past 290 s in all.
+# whose last line says how many steps failed; the exit status is that number. About 4 minutes
+# on one GPU: each step is cut off after its own limit.
 #
 # The GPU machine has CUDA torch and pytest but not textual: if `import textual` fails, the
 # wheels in the repository's .whl/ folder are installed into a scratch folder first (no
@@ -127,7 +129,7 @@ step dptui-run 45 "$py" -m tui.cli run --headless --devices "$devices" --log "$o
 step dptui-run-events 15 "$py" scripts/gpu_events_check.py "$out/dptui-run.jsonl" --steps 64 --starts $nvml
 
 # 5. The GPU benchmark (dpengine against torch's DataParallel, NVML polling cost).
-step bench-gpu 100 "$py" -m bench --gpu-only $bench_quick --out "$out/bench-gpu.md"
+step bench-gpu 140 "$py" -m bench --gpu-only $bench_quick --out "$out/bench-gpu.md"
 
 say "$failures of 11 steps failed; results in $out"
 exit "$failures"

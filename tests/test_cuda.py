@@ -331,16 +331,15 @@ def test_the_step_peak_counts_the_backward_and_starts_at_the_step(make_dp) -> No
 
 
 def test_under_dptui_run_the_scripts_own_peak_is_kept(tmp_path) -> None:
+    # The script as a user writes it: torch's DataParallel (dptui run swaps in dpengine's), two
+    # replicas on GPU 0, and the script reads its own peaks; dpengine resets the peak every step.
     script = tmp_path / "peak.py"
     script.write_text(textwrap.dedent("""
         import torch
         from torch import nn
-        from dpengine import DataParallel
-        from dpengine.cuda_memory import keep_users_view
-        keep_users_view()  # what dptui run's bootstrap does
         big = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
         del big
-        dp = DataParallel(nn.Linear(4, 2).cuda(), [0])
+        dp = nn.DataParallel(nn.Linear(4, 2).cuda(), [0, 0])
         for _ in range(3):
             dp(torch.randn(8, 4, device="cuda")).sum().backward()
         kept = torch.cuda.max_memory_allocated()
@@ -350,11 +349,16 @@ def test_under_dptui_run_the_scripts_own_peak_is_kept(tmp_path) -> None:
                   torch.accelerator.max_memory_allocated(), torch.accelerator.max_memory_reserved())
         torch.cuda.reset_peak_memory_stats()
         dp(torch.randn(8, 4, device="cuda")).sum().backward()
-        print(kept >= 512 << 20, all(o >= 512 << 20 for o in others), torch.cuda.max_memory_allocated() < 512 << 20)
+        print("peaks:", kept >= 512 << 20,
+              all(o >= 512 << 20 for o in others), torch.cuda.max_memory_allocated() < 512 << 20)
     """))
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-m", "tui.cli", "run", "--headless", "--json", "--no-telemetry",
+                           "--devices", "cuda:0", str(script)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["True", "True", "True"]
+    events = [json.loads(line) for line in done.stdout.splitlines()]
+    assert "peaks: True True True" in [e.get("line") for e in events], done.stdout[-2000:]
+    steps = [e for e in events if e.get("type") == "step"]
+    assert [[r["device"] for r in s["replicas"]] for s in steps] == [["cuda:0", "cuda:0"]] * 4  # dpengine's
 
 
 def test_a_ddp_ranks_own_peak_reads_as_without_dptui(tmp_path) -> None:
