@@ -56,8 +56,8 @@ def assert_steps_phases_and_verdict(events: list[dict], steps_per_rank: int, pha
         assert [(v["rank"], v["phase"]) for v in verdicts][:1] == [(1, phase)], verdicts
 
 
-def assert_same_lines(watched: subprocess.CompletedProcess, plain: subprocess.CompletedProcess) -> None:
-    said = ["rank 0 done: 6 steps", "rank 1 done: 6 steps"]
+def assert_same_lines(watched: subprocess.CompletedProcess, plain: subprocess.CompletedProcess, steps: int) -> None:
+    said = [f"rank 0 done: {steps} steps", f"rank 1 done: {steps} steps"]
     assert script_lines(json_events(watched.stdout)) == said
     # Plain, the ranks' unbuffered prints may share a line (their own race): the same text, though.
     assert all(line in plain.stdout for line in said) and len(plain.stdout.replace("\n", "")) == len("".join(said))
@@ -78,7 +78,7 @@ def script_lines(events: list[dict]) -> list[str]:
 
 @pytest.mark.parametrize(("script", "launch", "phase"), [
     (LIGHTNING, "torchrun", "none"), (LIGHTNING, "torchrun", "data"), (LIGHTNING, "torchrun", "forward"),
-    (LIGHTNING, "self", "none"), (LIGHTNING, "self", "forward"),
+    (LIGHTNING, "self", "forward"),  # "self", "none": in the test after this one
     (ACCELERATE, "torchrun", "none"), (ACCELERATE, "torchrun", "data"), (ACCELERATE, "module", "forward"),
     (ACCELERATE, "script", "data")])
 def test_lightning_and_accelerate_step_every_rank_with_disjoint_phases_and_the_right_verdict(script, launch, phase):
@@ -95,12 +95,18 @@ def test_lightning_and_accelerate_step_every_rank_with_disjoint_phases_and_the_r
 def test_lightning_launching_itself_under_dptui_does_as_without_it():
     # Lightning starts rank 1 by re-running the script with subprocess.Popen: dptui recorded rank 0
     # only (one rank_joined with world_size 2), and said nothing of rank 1.
-    plain = subprocess.run([sys.executable, LIGHTNING, "none", "6"], capture_output=True, text=True, timeout=300)
-    watched = dptui_run("self", LIGHTNING, "none", "6")
+    # One launch for this and for the parametrized test's case ("self", "none"): every step, disjoint
+    # phases, no verdict.
+    plain = subprocess.run([sys.executable, LIGHTNING, "none", "22"], capture_output=True, text=True, timeout=300)
+    watched = dptui_run("self", LIGHTNING, "none", "22")
     assert (watched.returncode, plain.returncode) == (0, 0), watched.stderr
-    assert_same_lines(watched, plain)
-    ended = of_type(json_events(watched.stdout), "rank_ended")
+    assert_same_lines(watched, plain, 22)
+    events = json_events(watched.stdout)
+    ended = of_type(events, "rank_ended")
     assert sorted((e["rank"], e["exit_code"], e["script_finished"]) for e in ended) == [(0, 0, True), (1, 0, True)]
+    assert len(of_type(events, "rank_joined")) == 2
+    assert_steps_phases_and_verdict(events, 22, "none")
+    assert not unexpected_notices(events), unexpected_notices(events)
 
 
 def test_accelerate_launch_under_dptui_does_as_without_it():
@@ -108,7 +114,7 @@ def test_accelerate_launch_under_dptui_does_as_without_it():
                            text=True, timeout=300, env=with_python_bin_on_path())
     watched = dptui_run("script", ACCELERATE, "none", "6")
     assert (watched.returncode, plain.returncode) == (0, 0), (watched.stderr, plain.stderr)
-    assert_same_lines(watched, plain)
+    assert_same_lines(watched, plain, 6)
     ended = of_type(json_events(watched.stdout), "rank_ended")
     assert sorted((e["rank"], e["exit_code"], e["script_finished"]) for e in ended) == [(0, 0, True), (1, 0, True)]
 
