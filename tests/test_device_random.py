@@ -23,6 +23,17 @@ def seeded_outputs(dp: DataParallel, seed: int, times: int) -> list[torch.Tensor
     return outputs
 
 
+def generator_as_without_dptui(dp: DataParallel, make_input) -> bool:
+    """After a seeded forward of `make_input()`, the CPU generator is where the same code without the
+    forward leaves it."""
+    torch.manual_seed(3)
+    dp(make_input())
+    after_dp = torch.rand(4)
+    torch.manual_seed(3)
+    make_input()
+    return torch.equal(after_dp, torch.rand(4))
+
+
 def test_a_seeded_forward_with_dropout_gives_the_same_masks_every_time():
     dp = DataParallel(nn.Sequential(nn.Dropout(0.5), nn.Linear(64, 64, bias=False)), DEVICES)
     dp.module[1].weight.data = torch.eye(64)  # the output is the dropped-out input itself
@@ -56,22 +67,13 @@ def test_the_gradient_goes_through_the_mask_the_forward_drew():
 
 
 def test_a_model_that_draws_nothing_leaves_the_cpu_generator_as_it_was():
-    dp = DataParallel(nn.Linear(5, 2), DEVICES)
-    torch.manual_seed(3)
-    dp(torch.randn(30, 5))
-    after_dp = torch.rand(4)
-    torch.manual_seed(3)
-    torch.randn(30, 5)
-    assert torch.equal(after_dp, torch.rand(4))
+    assert generator_as_without_dptui(DataParallel(nn.Linear(5, 2), DEVICES), lambda: torch.randn(30, 5))
 
 
 def test_in_eval_mode_dropout_draws_nothing():
     dp = DataParallel(nn.Dropout(0.5), DEVICES).eval()
-    torch.manual_seed(3)
     assert torch.equal(dp(torch.ones(30, 4)), torch.ones(30, 4))
-    after_dp = torch.rand(4)
-    torch.manual_seed(3)
-    assert torch.equal(after_dp, torch.rand(4))
+    assert generator_as_without_dptui(dp, lambda: torch.ones(30, 4))
 
 
 class FunctionalNoise(nn.Module):
@@ -94,10 +96,5 @@ def test_a_seeded_forward_with_functional_dropout_and_rand_gives_the_same_output
 def test_the_first_forward_of_a_model_that_draws_nothing_leaves_the_cpu_generator_as_it_was():
     dp = DataParallel(nn.Sequential(nn.Linear(5, 4), nn.ReLU()), DEVICES)
     for _ in range(2):  # the first forward looks whether it draws; the second does not look again
-        torch.manual_seed(3)
-        dp(torch.randn(30, 5))
-        after_dp = torch.rand(4)
-        torch.manual_seed(3)
-        torch.randn(30, 5)
-        assert torch.equal(after_dp, torch.rand(4))
+        assert generator_as_without_dptui(dp, lambda: torch.randn(30, 5))
     assert dp._plan.random is False
