@@ -28,6 +28,15 @@ def assert_grads_equal(a: nn.Module, b: nn.Module) -> None:
         torch.testing.assert_close(pb.grad, pa.grad, msg=name)
 
 
+def assert_trains_as(plain: nn.Module, dp: DataParallel, x: torch.Tensor) -> None:
+    """dp's output and, after a backward, its module's gradients are the plain module's."""
+    out = dp(x)
+    torch.testing.assert_close(out, plain(x))
+    out.pow(2).sum().backward()
+    plain(x).pow(2).sum().backward()
+    assert_grads_equal(plain, dp.module)
+
+
 # ----------------------------------------------------------------- 1. overridable steps
 
 
@@ -63,12 +72,7 @@ def test_a_scatter_override_decides_the_chunks_and_the_record_shows_them(make_dp
     plain = copy.deepcopy(model)
     dp = BalancedDataParallel(2, model, cpus(3))
     try:
-        x = torch.randn(11, 5)
-        out = dp(x)
-        torch.testing.assert_close(out, plain(x))
-        out.pow(2).sum().backward()
-        plain(x).pow(2).sum().backward()
-        assert_grads_equal(plain, model)
+        assert_trains_as(plain, dp, torch.randn(11, 5))
         record = dp.last_step
         assert record.chunk_sizes == (2, 5, 4)
         assert record.devices == ("cpu:0", "cpu:1", "cpu:2")
@@ -441,12 +445,7 @@ def test_a_device_listed_twice_runs_a_replica_for_each_entry(make_dp) -> None:
     dp = make_dp(model, ["cpu:0", "cpu:0", "cpu:1"])
     seen: list[str] = []
     model.register_forward_hook(lambda *_: seen.append(threading.current_thread().name))
-    x = torch.randn(30, 5)
-    out = dp(x)
-    torch.testing.assert_close(out, plain(x))
-    out.pow(2).sum().backward()
-    plain(x).pow(2).sum().backward()
-    assert_grads_equal(plain, model)
+    assert_trains_as(plain, dp, torch.randn(30, 5))
     record = dp.last_step
     assert record.chunk_sizes == (10, 10, 10) and record.devices == ("cpu:0", "cpu:0", "cpu:1")
     assert [r.index for r in record.replicas] == [0, 1, 2]
