@@ -51,7 +51,7 @@ REFRESH_S = 0.1
 # twice a second while a run goes, they cost the cores that train a third of what they did at 10 Hz.
 CHARTS_EVERY_S = 0.5
 # Behind a dialog the screen is drawn under its tint: at 10 Hz that wrote 6x the bytes and cost the
-# training thread 15% of its steps (the GIL), for panels the user is not reading while typing.
+# training thread 11% of its steps (the GIL), for panels the user is not reading while typing.
 BEHIND_DIALOG_EVERY_S = 1.0
 LOG_REFRESH_S = 1.0  # new lines scroll the log, which repaints all of it
 ADVICE_EVERY_S = 5.0  # advice stands on many steps: judging it more often would change nothing

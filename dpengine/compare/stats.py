@@ -35,7 +35,6 @@ class Change:
     n_b: int
     drift: float = 0.0  # the larger of the two runs' own drift, second half's median against first's
 
-
     @property
     def delta(self) -> float:
         return self.b - self.a
