@@ -679,7 +679,7 @@ async def test_toasts_do_not_stack_up_the_screen(size):
 
 @pytest.mark.parametrize("size", [(80, 24), (120, 36)])
 async def test_behind_a_dialog_the_screen_is_redrawn_once_a_second_and_at_once_when_it_closes(size):
-    # At 10 Hz under a dialog's tint, the redraws wrote 6x the bytes and the training thread lost 15%
+    # At 10 Hz under a dialog's tint, the redraws wrote 6x the bytes and the training thread lost 11%
     # of its steps to the UI's share of the GIL.
     now = [100.0]
     trainer = ScriptedTrainer(demo_events(DEVICES, epochs=1))
