@@ -330,11 +330,24 @@ def test_the_step_peak_counts_the_backward_and_starts_at_the_step(make_dp) -> No
     assert torch.cuda.max_memory_allocated() < scratch * 2
 
 
+def dptui_run_events(tmp_path, source: str, *flags: str) -> list[dict]:
+    """`dptui run --headless --json FLAGS SCRIPT` on `source` (dedented); its events, once it exited 0."""
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(source))
+    done = subprocess.run([sys.executable, "-m", "tui.cli", "run", "--headless", "--json", "--no-telemetry", *flags,
+                           str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return [json.loads(line) for line in done.stdout.splitlines()]
+
+
+def lines(events: list[dict]) -> list[str]:
+    return [e["line"] for e in events if e.get("type") == "output"]
+
+
 def test_under_dptui_run_the_scripts_own_peak_is_kept(tmp_path) -> None:
     # The script as a user writes it: torch's DataParallel (dptui run swaps in dpengine's), two
     # replicas on GPU 0, and the script reads its own peaks; dpengine resets the peak every step.
-    script = tmp_path / "peak.py"
-    script.write_text(textwrap.dedent("""
+    events = dptui_run_events(tmp_path, """
         import torch
         from torch import nn
         big = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
@@ -351,20 +364,15 @@ def test_under_dptui_run_the_scripts_own_peak_is_kept(tmp_path) -> None:
         dp(torch.randn(8, 4, device="cuda")).sum().backward()
         print("peaks:", kept >= 512 << 20,
               all(o >= 512 << 20 for o in others), torch.cuda.max_memory_allocated() < 512 << 20)
-    """))
-    done = subprocess.run([sys.executable, "-m", "tui.cli", "run", "--headless", "--json", "--no-telemetry",
-                           "--devices", "cuda:0", str(script)], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    events = [json.loads(line) for line in done.stdout.splitlines()]
-    assert "peaks: True True True" in [e.get("line") for e in events], done.stdout[-2000:]
+    """, "--devices", "cuda:0")
+    assert "peaks: True True True" in lines(events), events[-20:]
     steps = [e for e in events if e.get("type") == "step"]
     assert [[r["device"] for r in s["replicas"]] for s in steps] == [["cuda:0", "cuda:0"]] * 4  # dpengine's
 
 
 def test_a_ddp_ranks_own_peak_reads_as_without_dptui(tmp_path) -> None:
     # The rank's step clock resets the allocator's peak every step: the script's reading must not see it.
-    script = tmp_path / "rank_peak.py"
-    script.write_text(textwrap.dedent("""
+    events = dptui_run_events(tmp_path, """
         import torch, torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
         dist.init_process_group("nccl")
@@ -379,20 +387,15 @@ def test_a_ddp_ranks_own_peak_reads_as_without_dptui(tmp_path) -> None:
             optimizer.zero_grad()
         print("peak kept:", torch.cuda.max_memory_allocated() >= 512 << 20, torch.cuda.max_memory_reserved() >= 512 << 20)
         dist.destroy_process_group()
-    """))
-    done = subprocess.run([sys.executable, "-m", "tui.cli", "run", "--nproc-per-node", "1", "--headless", "--json",
-                           "--no-telemetry", str(script)], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    events = [json.loads(line) for line in done.stdout.splitlines()]
-    assert "peak kept: True True" in [e.get("line") for e in events], done.stdout[-2000:]
+    """, "--nproc-per-node", "1")
+    assert "peak kept: True True" in lines(events), events[-20:]
 
 
 @two_gpus
 def test_a_rank_on_gpu_1_without_set_device_opens_no_context_on_gpu_0(tmp_path) -> None:
     # The DDP tutorial's demo_basic: model.to(rank), no set_device. The step clock recorded its
     # events on the current device's stream (GPU 0's), timing an idle stream and opening a context there.
-    script = tmp_path / "on_gpu_1.py"
-    script.write_text(textwrap.dedent("""
+    events = dptui_run_events(tmp_path, """
         import torch, torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
         dist.init_process_group("gloo")
@@ -402,12 +405,8 @@ def test_a_rank_on_gpu_1_without_set_device_opens_no_context_on_gpu_0(tmp_path) 
             torch.optim.SGD(model.parameters(), lr=0.1).step()
         print("gpu0 used:", torch.cuda.memory_reserved(0) > 0, torch.cuda.is_initialized())
         dist.destroy_process_group()
-    """))
-    done = subprocess.run([sys.executable, "-m", "tui.cli", "run", "--nproc-per-node", "1", "--headless", "--json",
-                           "--no-telemetry", str(script)], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    events = [json.loads(line) for line in done.stdout.splitlines()]
-    assert "gpu0 used: False True" in [e.get("line") for e in events], done.stdout[-2000:]
+    """, "--nproc-per-node", "1")
+    assert "gpu0 used: False True" in lines(events), events[-20:]
     steps = [e for e in events if e["type"] == "rank_step"]
     assert len(steps) >= 5 and all(s["forward_ms"] > 0 for s in steps), steps
 
