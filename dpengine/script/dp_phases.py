@@ -24,6 +24,7 @@ import torch
 
 from ..records import StepRecord
 from .step_phases import HELD_AT_MOST_S
+from .watcher import Watcher
 from .training_hooks import LossReading, read_loss
 
 Key = tuple[str, int]  # (instance label, its step number)
@@ -44,8 +45,7 @@ class DpPhases:
         self._in_backward: list[Key] = []  # steps whose backward ran in the backward call in progress
         self._held: list[tuple[str, StepRecord, float]] = []  # and when each was held
         self._woken = threading.Condition(self._lock)
-        self._watching = False  # the watcher waits for the oldest held step's time: no need to wake it
-        self._watcher: threading.Thread | None = None
+        self._watcher = Watcher(self._woken, self._watch_held, "dptui-held-steps")
         self._reading: LossReading | None = None
         self._optimizer_began: float | None = None
 
@@ -72,12 +72,7 @@ class DpPhases:
         """A finished step: out once its optimizer time is known."""
         with self._lock:
             self._held.append((instance, record, time.monotonic()))
-            if not self._watching:
-                self._watching = True
-                if self._watcher is None:
-                    self._watcher = threading.Thread(target=self._watch_held, name="dptui-held-steps", daemon=True)
-                    self._watcher.start()
-                self._woken.notify()
+            self._watcher.wake()
 
     def release(self, wait: bool = False) -> int:
         """Post the held steps (whose loss is read, unless `wait`: the script has ended); how many."""
@@ -108,8 +103,7 @@ class DpPhases:
         while True:
             with self._lock:
                 while not self._held:
-                    self._watching = False
-                    self._woken.wait()
+                    self._watcher.idle()
                 due = self._held[0][2] + HELD_AT_MOST_S - time.monotonic()
                 if due > 0 or self._optimizer_began is not None:
                     self._woken.wait(due if due > 0 else HELD_AT_MOST_S)

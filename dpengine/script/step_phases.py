@@ -39,6 +39,7 @@ from .. import cuda_memory
 from ..cuda_memory import keep_users_view
 from ..eventlog.events import RankStepFinished
 from .training_hooks import LossReading, read_loss
+from .watcher import Watcher
 
 PHASES = ("data", "forward", "backward", "comm_wait", "optimizer")
 HELD_AT_MOST_S = 0.05
@@ -157,8 +158,7 @@ class RankSteps:
         self._release_after_s = release_after_s
         self._optimizer_ended: float | None = None  # monotonic: the open step's last optimizer step
         self._woken = threading.Condition(self._lock)
-        self._watching = False  # the watcher is waiting for a step's time: no need to wake it
-        self._watcher: threading.Thread | None = None
+        self._watcher = Watcher(self._woken, self._watch, "dptui-rank-steps")
 
     @property
     def in_backward(self) -> bool:
@@ -280,7 +280,7 @@ class RankSteps:
                 step.memory = self.clock.memory()
                 if self._release_after_s is not None:
                     self._optimizer_ended = time.monotonic()
-                    self._wake_watcher()
+                    self._watcher.wake()
             self._optimizer_start = None
             self._closure_step = None
 
@@ -298,14 +298,6 @@ class RankSteps:
                     self.clock.wait(mark)
             self._send_done()
 
-    def _wake_watcher(self) -> None:
-        if not self._watching:
-            self._watching = True
-            if self._watcher is None:
-                self._watcher = threading.Thread(target=self._watch, name="dptui-rank-steps", daemon=True)
-                self._watcher.start()
-            self._woken.notify()
-
     def _watch(self) -> None:
         """End the open step `release_after_s` after its optimizer step when nothing ran since, and
         send the finished steps whose CUDA events have completed. Wakes once per `release_after_s`
@@ -314,8 +306,7 @@ class RankSteps:
         with self._lock:
             while True:
                 if self._optimizer_ended is None and not self._unsent:
-                    self._watching = False
-                    self._woken.wait()
+                    self._watcher.idle()
                     continue
                 step, ended = self._step, self._optimizer_ended
                 if ended is not None and step is not None:
