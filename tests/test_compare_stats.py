@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from dpengine.compare.diff import compare_runs
+from dpengine.compare.figures import RunFigures
 from dpengine.compare.stats import change
+from dpengine.eventlog.units import ms
+from tui.compare.report import table_lines
 
 
 def noisy(rng: np.random.Generator, level, n: int = 200) -> np.ndarray:
@@ -30,3 +34,18 @@ def test_the_same_runs_give_the_same_interval():
     a, b = noisy(rng, 1.0), noisy(rng, 1.1)
     assert change(a, b) == change(a, b)
     assert change(a[:2], b) is None
+
+
+def test_the_table_says_when_only_a_runs_own_drift_kept_a_change_from_counting():
+    rng = np.random.default_rng(1)
+    drifting, steady = RunFigures(), RunFigures()
+    for step, (a, b) in enumerate(zip(noisy(rng, np.linspace(1.0, 1.3, 200)), noisy(rng, 1.22)), start=1):
+        drifting.run["step"].add(step, a)
+        steady.run["step"].add(step, b)
+    comparison = compare_runs(drifting, steady)
+    row = comparison.row("step")
+    assert row.verdict == "same" and row.pct > comparison.threshold_pct
+    line = next(line for line in table_lines(comparison, ("a.jsonl", "b.jsonl")) if line.startswith("step time"))
+    assert line.endswith(f"same: a run drifted {ms(row.change.drift)} ms within itself"), line
+    steadier = compare_runs(steady, steady)  # no change at all: plain "same"
+    assert next(line for line in table_lines(steadier, ("b", "b")) if line.startswith("step time")).endswith(" same")

@@ -53,13 +53,24 @@ def _change(row: Row) -> str:
     return "" if pct is None else f"{pct:+.1f}%"
 
 
+def _verdict(row: Row, threshold_pct: float) -> str:
+    """The row's verdict; one that only a run's own drift kept from counting says so."""
+    found = row.change
+    held = (found is not None and (found.low > 0 or found.high < 0) and abs(found.delta) <= found.drift
+            and row.pct is not None and abs(row.pct) >= threshold_pct)
+    if row.verdict != "same" or not held:
+        return row.verdict
+    words = _rate if row.metric == "samples_per_s" else ms
+    return f"same: a run drifted {words(found.drift)}{'/s' if words is _rate else ' ms'} within itself"
+
+
 def table_lines(comparison: Comparison, names: tuple[str, str]) -> list[str]:
     rows = [HEADERS] + [(metric_words(r.unit, r.metric), _figure(r, r.a), _figure(r, r.b), _change(r),
-                         _interval(r), r.verdict) for r in comparison.rows]
+                         _interval(r), _verdict(r, comparison.threshold_pct)) for r in comparison.rows]
     widths = [max(len(row[i]) for row in rows) for i in range(len(HEADERS))]
     lines = [f"A  {names[0]}: {workload_words(comparison.a)}", f"B  {names[1]}: {workload_words(comparison.b)}",
              f"steps compared: {comparison.steps[0]} and {comparison.steps[1]}, medians; a change counts past "
-             f"{comparison.threshold_pct:g}% and the steps' own spread", ""]
+             f"{comparison.threshold_pct:g}% and the steps' own spread and drift", ""]
     for row in rows:
         cells = [row[0].ljust(widths[0])] + [cell.rjust(width) for cell, width in zip(row[1:5], widths[1:5])]
         lines.append("  ".join(cells + [row[5]]).rstrip())
