@@ -12,10 +12,11 @@ import threading
 import pytest
 from waiting import wait_for
 
-from dpengine.eventlog.events import RankEnded, RankStepFinished, RunStarted, StateChanged
+from dpengine.eventlog.events import RankEnded, RankJoined, RankStepFinished, RunStarted, StateChanged
 from dpengine.script import rank_wire
 from dpengine.script.rank_link import RankLink
 from tui.script import rank_hub
+from tui.script.events import ScriptNotice
 from tui.script.failure_record import FailureRecord
 from tui.script.rank_hub import RankHub
 
@@ -125,5 +126,31 @@ def test_a_restart_with_no_failed_worker_logged_starts_the_new_generation_after_
         second = max(i for i, e in enumerate(events) if isinstance(e, RunStarted))
         assert sorted((e.rank, e.exit_code) for e in events[:second] if isinstance(e, RankEnded)) == [
             (0, -15), (1, -15)]
+    finally:
+        hub.close()
+
+
+def test_a_rank_that_failed_before_the_other_joined_is_shown_in_its_generation_before_the_restart(rank_processes):
+    # Rank 1 raised at once while rank 0 was still starting (a busy machine): torchrun restarted both
+    # before rank 0 said hello. The first generation never started, and its failure was lost.
+    events: list = []
+    hub = RankHub("ranks", events.append).listen()
+    hub.worker_exits = FailureRecord(on_worker_exit=hub.worker_exited)
+    try:
+        hello = {"token": hub.token, "rank": 1, "local_rank": 1, "world_size": 2, "node_rank": 0,
+                 "host": "here", "pid": rank_processes[1], "device": "cpu", "restart": 0}
+        early = RankLink.connect(hub.env()[rank_wire.CHANNEL], hello)
+        early.rank_failed("here", "ValueError: rank 1 broke at step 0", "Traceback ...")
+        early.flush()
+        wait_for(lambda: 1 in hub.gen.failed, "rank 1's failure at the hub")
+        for rank in (0, 1):
+            RankLink.connect(hub.env()[rank_wire.CHANNEL], {**hello, "rank": rank, "local_rank": rank,
+                                                            "pid": rank_processes[2 + rank], "restart": 1})
+        wait_for(lambda: sum(isinstance(e, RunStarted) for e in events) == 2, "generation 1 to start")
+        second = max(i for i, e in enumerate(events) if isinstance(e, RunStarted))
+        first = events[:second]
+        assert [e.rank for e in first if isinstance(e, RankJoined)] == [1]
+        assert [(e.rank, e.exit_code) for e in first if isinstance(e, RankEnded)] == [(1, 1)]
+        assert any(isinstance(e, ScriptNotice) and "rank 0 of 2 was not recorded" in e.text for e in first)
     finally:
         hub.close()

@@ -284,6 +284,11 @@ class RankHub:
         is not started, so that the old one's ends come before it."""
         if self._unsettled is not None:
             self._settle(self._unsettled)
+        if not old.started and old.joined:
+            # A rank failed before every rank had joined (one slow to start, say): torchrun restarted
+            # them all. Shown with the ranks that did join, or the failure behind the restart is lost.
+            self._say_missing(old)
+            self._start_generation(old)
         for rank in sorted(set(old.joined) - old.ended):
             if rank in old.finished or rank in old.failed:
                 self._rank_ended(old, rank, None)
