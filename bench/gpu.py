@@ -28,7 +28,6 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-
 from torch.utils.data import TensorDataset
 
 from dpengine import DataParallel
@@ -116,24 +115,6 @@ def _stepper(gpu: Gpu, name: str, kind: str) -> Stepper:
     return Stepper(workload, wrap, batches)
 
 
-class AutocastStepper(Stepper):
-    """A training step with forward and loss under bf16 autocast, as mixed-precision scripts run."""
-
-    def __init__(self, *args, device_type: str, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.device_type = device_type
-
-    def step(self) -> float:
-        inputs, targets = self.batches[self.position]
-        self.position = (self.position + 1) % len(self.batches)
-        with torch.autocast(self.device_type, dtype=torch.bfloat16):
-            loss = self.workload.loss_fn(self.model(inputs), targets)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimizer.step()
-        return loss.item()
-
-
 def _resnet_steppers(gpu: Gpu, quick: bool) -> dict[str, Stepper]:
     """torch's and dpengine's DataParallel of one ResNet-50 each, on the device list and doubled."""
     batch, size = (4, 32) if gpu.dry_run or quick else (64, 224)
@@ -153,7 +134,7 @@ def _resnet_steppers(gpu: Gpu, quick: bool) -> dict[str, Stepper]:
                                 nn.functional.cross_entropy, batch_size=batch, lr=0.1)
             wrap = ((lambda m, ids=ids: nn.DataParallel(m, device_ids=ids)) if kind == "torch"
                     else (lambda m, engine=engine: DataParallel(m, engine)))
-            made[kind + suffix] = AutocastStepper(workload, wrap, batches, device_type=gpu.device.type)
+            made[kind + suffix] = Stepper(workload, wrap, batches, autocast=gpu.device.type)
     return made
 
 

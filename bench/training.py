@@ -8,6 +8,7 @@ initial weights and data) and walks the same fixed sequence of batches.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -25,19 +26,24 @@ class Stepper:
     """One candidate: a workload's model (maybe wrapped), its optimizer and a cycle of batches."""
 
     def __init__(self, workload: Workload, wrap: Callable[[nn.Module], nn.Module] | None,
-                 batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+                 batches: list[tuple[torch.Tensor, torch.Tensor]], autocast: str | None = None) -> None:
+        """`autocast`: a device type whose bf16 autocast the forward and loss run under, as
+        mixed-precision scripts do."""
         self.workload = workload
         self.model = wrap(workload.model) if wrap is not None else workload.model
         self.dp = self.model if isinstance(self.model, DataParallel) else None
         self.optimizer = workload.make_optimizer()
         self.batches = batches
         self.position = 0
+        self._forward_context = ((lambda: torch.autocast(autocast, dtype=torch.bfloat16)) if autocast
+                                 else contextlib.nullcontext)
 
     def step(self) -> float:
         inputs, targets = self.batches[self.position]
         self.position = (self.position + 1) % len(self.batches)
-        output = self.model(inputs)
-        loss = self.workload.loss_fn(output, targets)
+        with self._forward_context():
+            output = self.model(inputs)
+            loss = self.workload.loss_fn(output, targets)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.optimizer.step()

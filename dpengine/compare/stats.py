@@ -46,10 +46,15 @@ class Change:
         return 0.0 if value == 0 else math.copysign(math.inf, value)
 
     @property
+    def held_by_drift(self) -> bool:
+        """The interval leaves out no change at all, but either run moved within itself as much: a
+        machine busier for a while moves one run's median that far."""
+        return (self.low > 0 or self.high < 0) and abs(self.delta) <= self.drift
+
+    @property
     def significant(self) -> bool:
-        """The interval leaves out no change at all, and the change is larger than either run moved
-        within itself: a machine busier for a while moves one run's median as much."""
-        return (self.low > 0 or self.high < 0) and abs(self.delta) > self.drift
+        """The interval leaves out no change at all, and the change is larger than either run's drift."""
+        return (self.low > 0 or self.high < 0) and not self.held_by_drift
 
 
 def median(values: Sequence[float]) -> float:

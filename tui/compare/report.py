@@ -56,8 +56,7 @@ def _change(row: Row) -> str:
 def _verdict(row: Row, threshold_pct: float) -> str:
     """The row's verdict; one that only a run's own drift kept from counting says so."""
     found = row.change
-    held = (found is not None and (found.low > 0 or found.high < 0) and abs(found.delta) <= found.drift
-            and row.pct is not None and abs(row.pct) >= threshold_pct)
+    held = found is not None and found.held_by_drift and row.pct is not None and abs(row.pct) >= threshold_pct
     if row.verdict != "same" or not held:
         return row.verdict
     words = _rate if row.metric == "samples_per_s" else ms
