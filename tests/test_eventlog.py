@@ -31,6 +31,7 @@ from dpengine.eventlog.events import (
     TelemetrySampled,
     to_json_dict,
 )
+from dpengine.eventlog.index import LogIndex
 from dpengine.eventlog.reader import (
     EventLogError,
     EventLogReader,
@@ -330,6 +331,47 @@ def test_without_stop_at_end_following_goes_on_after_the_run_until_stop(tmp_path
     recording.stop()
     reader.join(timeout=5)
     assert not reader.is_alive()
+
+
+def write_anew(path, events) -> None:
+    """A new run with the same --log path: the file truncated and written again, longer."""
+    path.write_text(jsonl(events))
+
+
+@pytest.mark.parametrize("reader_kind", ["reader", "index"])
+def test_a_file_written_anew_before_the_first_check_is_seen_as_replaced(tmp_path, reader_kind):
+    # A busy machine: the new run wrote the file between the follower's read and its first check.
+    # The bytes marked at the first check were the new file's, and the rewrite went unseen (its
+    # lines were read on from the old offset, the first one cut).
+    path = tmp_path / "live.jsonl"
+    first = [*demo_events(DEVICES, epochs=1), RunFinished(0.3, 1, 4, 100, 0.1, False)]
+    path.write_text(jsonl(first))
+    if reader_kind == "reader":
+        follower = EventLogReader(path)
+        assert follower.read_rest()[-1] == first[-1]
+    else:
+        follower = LogIndex(path)
+        follower.build()
+        assert follower.line_count == len(first)
+    write_anew(path, demo_events(DEVICES, epochs=2))
+    assert follower.replaced()
+    follower.close()
+
+
+@pytest.mark.parametrize("reader_kind", ["reader", "index"])
+def test_a_file_only_grown_is_not_replaced_whatever_its_reads(tmp_path, reader_kind):
+    path = tmp_path / "live.jsonl"
+    text = jsonl(demo_events(DEVICES, epochs=1))
+    path.write_text(text[:7])  # less than a line, then the rest a few bytes a read
+    follower = EventLogReader(path) if reader_kind == "reader" else LogIndex(path)
+    for end in range(7, len(text) + 1, 23):
+        path.write_text(text[:end])
+        if reader_kind == "reader":
+            follower.read_new()
+        else:
+            follower.update()
+        assert not follower.replaced(), end
+    follower.close()
 
 
 def test_a_recording_cannot_be_steered(tmp_path):

@@ -284,6 +284,7 @@ class LogIndex:
                 self._context[kind].extend(lines)
             self._bad += bad
             self._end = base + cut
+            self._mark.took(self._end, data[:cut])
             self.changes += 1
         return True
 

@@ -308,8 +308,10 @@ class EventLogReader:
         self.at_end = len(chunk) < READ_BYTES
         if not chunk:
             return
-        lines = (self._partial + chunk).split(b"\n")
+        data = self._partial + chunk
+        lines = data.split(b"\n")
         self._partial = lines.pop()  # b"" after a newline; else a line still being written
+        self._mark.took(self.offset, data[:len(data) - len(self._partial)])
         for raw in lines:
             yield from self._events(raw)
 
@@ -352,7 +354,11 @@ class EventLogReader:
 
 
 class Mark:
-    """The bytes just before where a reader has got to, to tell a file rewritten under it."""
+    """The last bytes a reader took in and where they lie, to tell a file rewritten under it.
+
+    Kept from the bytes as they were read, never read back later: a file written anew between
+    a read and the first check would be marked with its new bytes, and never seen as new.
+    """
 
     SIZE = 64
 
@@ -360,12 +366,17 @@ class Mark:
         self.offset = 0
         self.data = b""
 
-    def moved(self, fd: int, offset: int) -> bool:
-        """Whether the bytes marked last time changed; then mark those before `offset`."""
-        changed = bool(self.data) and os.pread(fd, len(self.data), self.offset) != self.data
-        self.offset = max(0, offset - self.SIZE)
-        self.data = os.pread(fd, offset - self.offset, self.offset)
-        return changed
+    def took(self, end: int, data: bytes) -> None:
+        """`data` was read and ends at `end`: keep its last SIZE bytes (after a short read, with
+        those taken before it)."""
+        if len(data) < self.SIZE and self.offset + len(self.data) == end - len(data):
+            data = self.data + data
+        self.data = data[-self.SIZE:]
+        self.offset = end - len(self.data)
+
+    def moved(self, fd: int) -> bool:
+        """Whether `fd`'s file no longer holds the bytes taken."""
+        return bool(self.data) and os.pread(fd, len(self.data), self.offset) != self.data
 
 
 def file_replaced(path: str, fd: int, offset: int, mark: Mark) -> bool:
@@ -378,7 +389,7 @@ def file_replaced(path: str, fd: int, offset: int, mark: Mark) -> bool:
     mine = os.fstat(fd)
     if (now.st_dev, now.st_ino) != (mine.st_dev, mine.st_ino) or mine.st_size < offset:
         return True
-    return mark.moved(fd, offset)
+    return mark.moved(fd)
 
 
 def read_event_log(path: str | os.PathLike) -> list[Event | OtherEvent | LogNote]:
