@@ -22,8 +22,9 @@ headless: $(STAMP)
 	$(BIN)/dptui --headless --devices cpu:0,cpu:1,cpu:2 $(ARGS)
 
 # One worker per core: most tests wait on the processes they start (ranks, scripts, dptui).
+# loadgroup: tests marked with one xdist_group share a worker, and so a module fixture's launch.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n auto $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n auto --dist loadgroup $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench $(BENCH_ARGS)

@@ -30,10 +30,19 @@ def fake_ranks(log: Path, *options: str) -> None:
     assert done.returncode == 0, done.stderr
 
 
-def test_a_rank_slowed_in_backward_is_found_there_and_the_other_waits_for_it(tmp_path):
-    fake_ranks(tmp_path / "before.jsonl")
+@pytest.fixture(scope="module")
+def balanced_ranks_log(tmp_path_factory) -> Path:
+    """The run before, for every DDP comparison here: both fake ranks on time, 60 steps."""
+    log = tmp_path_factory.mktemp("before") / "before.jsonl"
+    fake_ranks(log)
+    return log
+
+
+# The two tests that compare against the balanced run share one launch of it (make test: --dist loadgroup).
+@pytest.mark.xdist_group("balanced_ranks_log")
+def test_a_rank_slowed_in_backward_is_found_there_and_the_other_waits_for_it(tmp_path, balanced_ranks_log):
     fake_ranks(tmp_path / "after.jsonl", "slow_rank=1", "slow_phase=backward", "slow_ms=20")
-    report = compare(tmp_path / "before.jsonl", tmp_path / "after.jsonl")
+    report = compare(balanced_ranks_log, tmp_path / "after.jsonl")
     found = changed(report)
     assert {("run", "step", "slower"), ("rank 1", "backward", "slower"), ("rank 0", "comm_wait", "slower")} <= found
     assert ("rank 0", "backward", "slower") not in found and ("rank 1", "comm_wait", "slower") not in found
@@ -60,7 +69,9 @@ def test_memory_creep_is_found_on_a_script_that_leaks_and_not_on_one_that_does_n
     assert all(0.8 <= mib <= 1.3 for mib in per_step) and all(" MiB per step" in c for c in creeps), creeps
 
 
-def test_dptui_run_writes_summaries_that_compare_a_scripts_slow_input_and_a_ddp_runs_slow_rank(tmp_path):
+@pytest.mark.xdist_group("balanced_ranks_log")
+def test_dptui_run_writes_summaries_that_compare_a_scripts_slow_input_and_a_ddp_runs_slow_rank(
+        tmp_path, balanced_ranks_log):
     script = Path(__file__).parent / "fixtures" / "scripts" / "slow_input.py"
     for name, input_ms in (("fast", "0"), ("slow", "20")):
         done = subprocess.run([sys.executable, "-m", "tui.cli", "run", "--headless", "--no-telemetry", "--devices",
@@ -71,9 +82,8 @@ def test_dptui_run_writes_summaries_that_compare_a_scripts_slow_input_and_a_ddp_
     report = compare(tmp_path / "fast.json", tmp_path / "slow.json")
     assert report["where"][0]["metric"] == "data" and report["where"][0]["share"] > 0.75, report["where"]
     # a DDP run's summary, against the log of the run before
-    fake_ranks(tmp_path / "before.jsonl")
     done = subprocess.run([*DPTUI, "--nproc-per-node", "2", "--headless", "--summary", str(tmp_path / "after.json"),
                            FAKE, "steps=60", "slow_rank=1", "slow_phase=forward", "slow_ms=20"],
                           capture_output=True, text=True, timeout=TIMEOUT)
     assert done.returncode == 0, done.stderr
-    assert ("rank 1", "forward", "slower") in changed(compare(tmp_path / "before.jsonl", tmp_path / "after.json"))
+    assert ("rank 1", "forward", "slower") in changed(compare(balanced_ranks_log, tmp_path / "after.json"))
