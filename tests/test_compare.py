@@ -38,7 +38,7 @@ def changed(report: dict) -> set[tuple[str, str, str]]:
 
 def test_a_data_delay_is_found_in_the_data_phase_and_nowhere_else(tmp_path, monkeypatch, capsys):
     before = train(tmp_path, "before", monkeypatch)
-    after = train(tmp_path, "after", monkeypatch, "data:0.15")  # 4.5 ms on a full batch
+    after = train(tmp_path, "after", monkeypatch, "data:0.5")  # 15 ms on a full batch
     code, report = compare(capsys, before, after)
     assert code == 0
     assert {("run", "data", "slower"), ("run", "step", "slower"), ("run", "samples_per_s", "slower")} <= \
