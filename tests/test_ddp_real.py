@@ -116,6 +116,32 @@ def test_two_nodes_on_loopback_node_0_shows_both_ranks():
     assert verdicts(events)[:1] == [(1, "forward")]
 
 
+LOGGED_LOSS_SCRIPT = str(Path(__file__).parent / "fixtures" / "ranks" / "logged_loss_ddp.py")
+
+
+def median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
+@pytest.mark.parametrize("where, slow", [("after_forward", "data"), ("after_step", "other")])
+def test_a_wait_in_the_scripts_own_all_reduce_is_comm_wait_and_the_slow_rank_is_named(where, slow, tmp_path):
+    # The rank on time waits for the late one in the loss's all-reduce: that wait was its own time (other,
+    # or the next step's data), so both ranks looked as slow and no verdict came.
+    summary = tmp_path / "summary.json"
+    done = dptui("--nproc-per-node", "2", "--headless", "--json", "--no-telemetry", "--summary", str(summary),
+                 LOGGED_LOSS_SCRIPT, where, slow, "22")
+    assert done.returncode == 0, done.stderr
+    events = json_events(done.stdout)
+    assert verdicts(events)[:1] == [(1, slow)], of_type(events, "straggler")
+    steps = {r: [s for s in of_type(events, "rank_step") if s["rank"] == r and s["step"] >= 4] for r in (0, 1)}
+    assert median([s["comm_wait_ms"] for s in steps[0]]) > 40, steps[0]  # the 50 ms it waits for rank 1
+    assert median([s[f"{slow}_ms"] for s in steps[0]]) < 10, steps[0]
+    assert median([s[f"{slow}_ms"] for s in steps[1]]) > 45, steps[1]
+    (advice,) = [a["text"] for a in json.loads(summary.read_text())["advice"] if a["kind"] == "slow_rank"]
+    assert advice.startswith(f"rank 1 is the straggler: {slow} ")
+    assert ("look at its input (DataLoader" if slow == "data" else "outside forward, backward and the update") in advice
+
+
 FSDP_SCRIPT = str(Path(__file__).parent / "fixtures" / "ranks" / "fsdp2_example.py")
 
 

@@ -109,6 +109,26 @@ def test_lightning_launching_itself_under_dptui_does_as_without_it():
     assert not unexpected_notices(events), unexpected_notices(events)
 
 
+def median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
+def test_lightning_accumulating_gradients_counts_each_batchs_input_as_data_and_its_broadcast_as_waiting():
+    # Lightning broadcasts a flag at every batch. With accumulate_grad_batches=2 the rank on time waited
+    # there for the late one's second batch, and that was its own time (other); the late one's second
+    # batch loaded in other too: half the slowdown in the wrong phase, the other half blamed on both.
+    done = dptui_run("torchrun", LIGHTNING, "data", "22", "2")
+    assert done.returncode == 0, done.stderr
+    events = json_events(done.stdout)
+    assert_steps_phases_and_verdict(events, 22, "data")
+    late = {r: [s for s in of_type(events, "rank_step") if s["rank"] == r and s["step"] >= 4] for r in (0, 1)}
+    assert {(s["micro_batches"], s["samples"]) for r in (0, 1) for s in late[r]} == {(2, 16)}
+    assert median([s["data_ms"] for s in late[1]]) > 1.8 * SLOWED_MS, late[1]  # both batches' 50 ms
+    assert median([s["comm_wait_ms"] for s in late[0]]) > 1.8 * SLOWED_MS, late[0]
+    assert median([s["other_ms"] + s["data_ms"] for s in late[0]]) < SLOWED_MS / 5, late[0]
+    assert not unexpected_notices(events), unexpected_notices(events)
+
+
 def test_accelerate_launch_under_dptui_does_as_without_it():
     plain = subprocess.run(["accelerate", "launch", *two_cpu_ranks(), ACCELERATE, "none", "6"], capture_output=True,
                            text=True, timeout=300, env=with_python_bin_on_path())

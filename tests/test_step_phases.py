@@ -197,12 +197,139 @@ def test_fsdp_collectives_in_forward_and_backward_are_comm_wait_not_those_phases
     clock.now += 0.005
     steps.collective_ends()
     steps.backward_ends()
-    assert not steps.collective_begins()  # between backward and the update: no phase of FSDP's
+    assert steps.collective_begins()  # between backward and the update (a gradient-norm all-reduce)
+    clock.now += 0.003
     steps.collective_ends()
     optimizer_step(steps, clock)
     steps.finish()
     _, step = sent
     assert step.data_ms == pytest.approx(30) and step.forward_ms == pytest.approx(10)
-    assert step.comm_wait_ms == pytest.approx(45) and step.backward_ms == pytest.approx(20)
-    assert step.total_ms == pytest.approx(110) and step.other_ms == pytest.approx(0)
-    assert step.comm_wait_start_ms == pytest.approx(30) and step.allreduce_end_ms == pytest.approx(105)
+    assert step.comm_wait_ms == pytest.approx(48) and step.backward_ms == pytest.approx(20)
+    assert step.total_ms == pytest.approx(113) and step.other_ms == pytest.approx(0)
+    assert step.comm_wait_start_ms == pytest.approx(30) and step.allreduce_end_ms == pytest.approx(108)
+
+
+def collective(steps: RankSteps, clock: MovedClock, seconds: float) -> None:
+    """A blocking torch.distributed call of the script's (collectives.py): waiting for the others."""
+    assert steps.collective_begins()
+    clock.now += seconds
+    steps.collective_ends()
+
+
+def test_a_loss_all_reduced_between_forward_and_backward_is_comm_wait_not_other(steps, clock, sent):
+    # torchvision's detection reference logs reduce_dict(loss_dict) there: a rank on time waits in it
+    # for the late one, and that wait was its own time (other), so no rank stood out.
+    for _ in range(2):
+        clock.now += 0.001
+        steps.forward_begins(8, synced=True)
+        clock.now += 0.010
+        steps.forward_ends()
+        collective(steps, clock, 0.050)
+        steps.backward_begins(torch.tensor(1.0))
+        clock.now += 0.020
+        steps.backward_ends()
+        optimizer_step(steps, clock)
+    steps.finish()
+    step = sent[1]
+    assert step.comm_wait_ms == pytest.approx(50) and step.other_ms == pytest.approx(0, abs=1e-9)
+    assert step.data_ms == pytest.approx(1) and step.forward_ms == pytest.approx(10)
+    assert step.comm_wait_start_ms == pytest.approx(11) and step.allreduce_end_ms == pytest.approx(61)
+
+
+def test_a_collective_after_the_optimizer_step_is_the_next_steps_comm_wait_not_its_data(steps, clock, sent):
+    # A loss all-reduced for logging after optimizer.step: the rank on time waits there for a rank slow
+    # in its update, and that wait was the next step's data (input-bound, said of the wrong rank).
+    micro_batch(steps, clock)
+    optimizer_step(steps, clock)
+    collective(steps, clock, 0.050)
+    clock.now += 0.004  # the next batch
+    micro_batch(steps, clock)
+    optimizer_step(steps, clock)
+    steps.finish()
+    first, second = sent
+    assert first.comm_wait_ms == pytest.approx(0) and first.total_ms == pytest.approx(35)
+    assert second.data_ms == pytest.approx(4) and second.comm_wait_ms == pytest.approx(50)
+    assert second.total_ms == pytest.approx(89) and second.other_ms == pytest.approx(0, abs=1e-9)
+
+
+def test_a_second_optimizer_after_a_collective_keeps_it_in_its_own_step(steps, clock, sent):
+    micro_batch(steps, clock)
+    optimizer_step(steps, clock)
+    collective(steps, clock, 0.007)  # between a GAN's two updates
+    optimizer_step(steps, clock)
+    micro_batch(steps, clock)
+    first = sent[0]
+    assert first.comm_wait_ms == pytest.approx(7) and first.other_ms == pytest.approx(0, abs=1e-9)
+    assert first.total_ms == pytest.approx(47)
+
+
+def test_collectives_before_the_first_step_are_no_steps(steps, clock, sent):
+    assert not steps.collective_begins()  # init_process_group's barrier, DDP's broadcast of the weights
+    steps.collective_ends()
+    clock.now += 0.5
+    micro_batch(steps, clock)
+    optimizer_step(steps, clock)
+    steps.finish()
+    assert sent[0].comm_wait_ms == 0 and sent[0].total_ms == pytest.approx(35)
+
+
+def accumulated_step(steps: RankSteps, clock: MovedClock, micro_batches: int, *, load: float = 0.030,
+                     sync: float = 0.002, in_closure: bool = True) -> None:
+    """Lightning's loop with accumulate_grad_batches: each batch broadcasts (its SIGTERM flag) and loads,
+    the micro-batches before the last under no_sync(), the last inside optimizer.step(closure)."""
+    for index in range(micro_batches):
+        last = index == micro_batches - 1
+        collective(steps, clock, sync) if steps.started else clock.__setattr__("now", clock.now + sync)
+        clock.now += load
+        if last and in_closure:
+            closure_step(steps, clock, before=0.001, after=0.004)
+        else:
+            micro_batch(steps, clock, synced=last)
+    if not in_closure:
+        optimizer_step(steps, clock, 0.004)
+
+
+@pytest.mark.parametrize("in_closure, micro_batches", [(True, 3), (True, 1), (False, 3)],
+                         ids=["lightning", "lightning without accumulation", "plain loop"])
+def test_every_micro_batchs_input_is_data_and_its_broadcast_comm_wait(steps, clock, sent, in_closure, micro_batches):
+    for _ in range(3):
+        accumulated_step(steps, clock, micro_batches, in_closure=in_closure)
+    steps.finish()
+    for step in sent[1:]:
+        assert step.micro_batches == micro_batches
+        # each batch's load, and the closure's zero_grad
+        assert step.data_ms == pytest.approx(micro_batches * 30 + (1 if in_closure else 0))
+        assert step.comm_wait_ms == pytest.approx(micro_batches * 2)
+        assert step.forward_ms == pytest.approx(micro_batches * 10)
+        assert step.backward_ms == pytest.approx(micro_batches * 20)
+        assert step.optimizer_ms == pytest.approx(4) and step.other_ms == pytest.approx(0, abs=1e-9)
+        assert step.total_ms == pytest.approx(micro_batches * 62 + 5 if in_closure else micro_batches * 62 + 4)
+
+
+def test_the_loss_between_a_forward_and_its_backward_is_not_the_next_micro_batchs_input(steps, clock, sent):
+    for _ in range(2):
+        for index in range(2):
+            clock.now += 0.003  # the micro-batch loads
+            steps.forward_begins(8, synced=index == 1)
+            clock.now += 0.010
+            steps.forward_ends()
+            clock.now += 0.006  # the loss, computed in the script
+            steps.backward_begins(torch.tensor(1.0))
+            clock.now += 0.020
+            steps.backward_ends()
+        optimizer_step(steps, clock)
+    steps.finish()
+    step = sent[1]
+    assert step.data_ms == pytest.approx(3 + 3) and step.other_ms == pytest.approx(2 * 6)
+
+
+def test_after_a_skipped_update_a_collective_is_the_next_steps(steps, clock, sent):
+    micro_batch(steps, clock)  # a GradScaler found inf: no optimizer.step
+    collective(steps, clock, 0.010)
+    clock.now += 0.002
+    micro_batch(steps, clock)
+    optimizer_step(steps, clock)
+    steps.finish()
+    first, second = sent
+    assert first.total_ms == pytest.approx(30) and first.comm_wait_ms == 0
+    assert second.comm_wait_ms == pytest.approx(10) and second.data_ms == pytest.approx(2)

@@ -97,6 +97,17 @@ def _slow_device(figures: RunFigures, warmup: int) -> Advice | None:
                   f"{slowest} {ratio:.1f}x slower per row" + ("" if figures.split == "auto" else ": try key a"))
 
 
+# Where a rank's excess in a phase usually comes from.
+WHERE_TO_LOOK = {
+    "data": "its input (DataLoader workers, storage, its share of the data)",
+    "forward": "its device (a slower or busier GPU, clocks held down by heat or power) and its share of the data",
+    "backward": "its device (a slower or busier GPU, clocks held down by heat or power) and its share of the data",
+    "optimizer": "its device, and work its update does that the others' do not",
+    "other": "what the script does there outside forward, backward and the update (logging, checkpoints, "
+             "evaluation on that rank alone)",
+}
+
+
 def _slow_rank(figures: RunFigures, warmup: int) -> Advice | None:
     verdict = figures.straggler
     found = [v for v in figures.stragglers if v.rank >= 0]
@@ -109,8 +120,8 @@ def _slow_rank(figures: RunFigures, warmup: int) -> Advice | None:
                        "until": cleared}, f"rank {last.rank} was slow in {last.phase} until step {cleared}")
     if verdict is not None:
         return Advice("slow_rank", f"rank {verdict.rank} is the straggler: {verdict.phase} {ms(verdict.excess_ms)} ms "
-                      f"per step over the other ranks' median (since step {verdict.step}); look at its {verdict.phase} "
-                      "(its input, its device, its share of the data)",
+                      f"per step over the other ranks' median (since step {verdict.step}); look at "
+                      f"{WHERE_TO_LOOK.get(verdict.phase, 'its ' + verdict.phase)}",
                       {"rank": verdict.rank, "phase": verdict.phase, "excess_ms": verdict.excess_ms,
                        "since": verdict.step}, f"rank {verdict.rank} slow in {verdict.phase}")
     own = {}  # each rank's median per phase, comm_wait left out: waiting for others is not its own time

@@ -23,7 +23,7 @@ import torch
 import torch.nn.parallel.distributed as torch_distributed
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from . import fsdp_swap
+from . import collectives, fsdp_swap
 from .step_phases import CudaClock, HostClock, RankSteps, samples_of
 
 TorchDDP = torch_distributed.DistributedDataParallel
@@ -182,10 +182,12 @@ def forget_steps() -> None:
 
 
 def install(make_steps: Callable[[HostClock | CudaClock], RankSteps], notice: Callable[[str], None]) -> None:
-    """Bind torch's names to the recording class and time FSDP (fsdp_swap.py); `make_steps(clock)` gives
-    the rank's phase clock at the first DDP or FSDP built (its listener is the caller's to register)."""
+    """Bind torch's names to the recording class, time FSDP (fsdp_swap.py) and the script's collectives
+    (collectives.py); `make_steps(clock)` gives the rank's phase clock at the first DDP or FSDP built
+    (its listener is the caller's to register)."""
     global _make_steps, _notice
     _make_steps, _notice = make_steps, notice
     torch_distributed.DistributedDataParallel = DistributedDataParallel
     torch.nn.parallel.DistributedDataParallel = DistributedDataParallel
     fsdp_swap.install(ensure_steps, current_steps)
+    collectives.install(current_steps)

@@ -4,10 +4,15 @@ A step is an optimizer step: the micro-batches of gradient accumulation under no
 step. It ends at the last optimizer step before the next forward (several optimizers), or, when a
 GradScaler skipped optimizer.step, at the end of the synchronised backward before the next forward.
 Its phases:
-- data: the previous step's end to the first forward (input loading, the script's own host work);
+- data: the previous step's end to the first forward (input loading, the script's own host work),
+  and before each later micro-batch's forward the time since the micro-batch before it (its input:
+  gradient accumulation in Lightning, HF Trainer, accelerate);
 - forward and backward: the DDP forwards and the backward calls (backward without comm_wait);
-- comm_wait: the exposed gradient all-reduce wait: the last bucket ready (its comm hook called) to
-  its all-reduce done (the hook's future completed);
+- comm_wait: waiting for the other ranks: the exposed gradient all-reduce wait (the last bucket
+  ready, its comm hook called, to its all-reduce done, the hook's future completed), FSDP's
+  collectives, and every blocking torch.distributed collective of the script or its framework
+  (collectives.py: Lightning's per-batch broadcast, a loss all-reduced for logging), each out of
+  the phase it sits in;
 - optimizer: optimizer.step, through torch's global hooks, without the forwards and backwards its
   closure runs (Lightning's loop, LBFGS): those are the step's forward and backward, and the
   optimizer's own time starts at the first of them (before it, the step's data phase);
@@ -105,6 +110,16 @@ class _Backward:
 
 
 @dataclass
+class _Collective:
+    start: Any
+    end: Any
+    # forward, backward, optimizer, data (before the step's first forward) or other; or "gap": in the
+    # idle time after a micro-batch, numbered `gap`, data if the next micro-batch's forward ends it.
+    phase: str
+    gap: int = 0
+
+
+@dataclass
 class _Step:
     number: int
     start: Any
@@ -112,8 +127,10 @@ class _Step:
     backwards: list[_Backward] = field(default_factory=list)
     optimizers: list[tuple[Any, Any]] = field(default_factory=list)
     in_closure: list[tuple[Any, Any]] = field(default_factory=list)  # forwards, backwards inside optimizer.step
-    # FSDP's collectives and their waits inside a forward or a backward: comm_wait, not that phase.
-    collectives: list[tuple[Any, Any, str]] = field(default_factory=list)
+    # Collectives (FSDP's, the script's): comm_wait, out of the phase they sit in (_Collective.phase).
+    collectives: list[_Collective] = field(default_factory=list)
+    gaps: list[tuple[Any, Any]] = field(default_factory=list)  # before each later micro-batch: data
+    data_gaps: set[int] = field(default_factory=set)  # those gaps' numbers
     losses: list[LossReading | None] = field(default_factory=list)  # per micro-batch
     samples: int = 0
     synced: bool = True  # the last forward's backward all-reduces (not under no_sync())
@@ -151,7 +168,15 @@ class RankSteps:
         self._forward_start: Any = None
         self._optimizer_start: Any = None
         self._closure_step: _Step | None = None  # the step the open optimizer.step's closure is running
-        self._collective: tuple[Any, str] | None = None  # the open FSDP collective's start and phase
+        self._collective: tuple[Any, _Step | None, str, int] | None = None  # the open one: start, step, phase, gap
+        self._between: list[_Collective] = []  # after the open step's optimizer: the next step's data
+        # The idle time after a micro-batch until the next forward (then data) or backward (not data):
+        # where it began and its number; and the one open when optimizer.step(closure) began.
+        self._gap: tuple[Any, int] | None = None
+        self._closure_gap: tuple[Any, int] | None = None
+        self._gaps = 0
+        self._optimizer_step: _Step | None = None  # the open step when the running optimizer.step began
+        self.training_thread: int | None = None  # the thread that runs the steps (the first forward's)
         self._unsent: list[_Step] = []  # finished, waiting for their CUDA events
         # The training thread and the watcher: the open step, and the finished ones not yet sent.
         self._lock = threading.Lock()
@@ -174,11 +199,14 @@ class RankSteps:
         step boundary, waiting for its host) is no phase of either step."""
         if self._step is None:
             self._last_end = self.clock.mark()
+            self._between.clear()  # before this start: no step's
 
     # -- the DDP forward ---------------------------------------------------------------
 
     def forward_begins(self, samples: int, synced: bool) -> None:
         in_optimizer = self._optimizer_start is not None
+        if self.training_thread is None:
+            self.training_thread = threading.get_ident()
         with self._lock:
             step = self._step
             self._optimizer_ended = None
@@ -191,11 +219,16 @@ class RankSteps:
             if self._before_step is not None and self._before_step(self._next):
                 self._last_end = None  # paused: the step starts now, not at the previous one's end
             start = self._last_end
-            if start is None:
+            between, self._between = self._between, []
+            if start is None:  # what came before the step starts is no step's
                 start = self._optimizer_start if in_optimizer else self.clock.mark()
+                between = []
             with self._lock:
-                step = self._step = _Step(self._next, start)
+                step = self._step = _Step(self._next, start, collectives=between)
                 self._next += 1
+        else:
+            self._data_gap(step, in_optimizer)
+        self._gap = self._closure_gap = None
         self._forward_start = self.clock.mark()
         step.samples += samples
         step.synced = synced
@@ -209,7 +242,23 @@ class RankSteps:
             step.forwards.append(span)
             if self._optimizer_start is not None:
                 step.in_closure.append(span)
+            else:
+                self._open_gap(span[1])  # another forward may follow before a backward
         self._forward_start = None
+
+    def _open_gap(self, since: Any) -> None:
+        self._gaps += 1
+        self._gap = (since, self._gaps)
+
+    def _data_gap(self, step: _Step, in_optimizer: bool) -> None:
+        """A later micro-batch's forward begins: the idle time before it was its input's (as before a
+        step's first forward, up to a closure's forward: Lightning runs the last micro-batch in
+        optimizer.step(closure)), never the optimizer's own work between an LBFGS closure's calls."""
+        gap = self._closure_gap if in_optimizer else self._gap
+        if gap is not None:
+            since, number = gap
+            step.gaps.append((since, self.clock.mark()))
+            step.data_gaps.add(number)
 
     # -- the comm hook: each gradient bucket's all-reduce --------------------------------
 
@@ -223,24 +272,41 @@ class RankSteps:
         if last and backward is not None:
             backward.last_done = self.clock.mark()
 
-    # -- FSDP's collectives (fsdp_swap.py) ------------------------------------------------
+    # -- collectives: FSDP's (fsdp_swap.py), the script's (collectives.py) -----------------
 
     def collective_begins(self) -> bool:
-        """A collective (or its wait) begins; True if it is timed: it is in a step's forward or
-        backward, and no other is open (FSDP calls one inside another)."""
-        if self._step is None or self._collective is not None:
+        """A collective (or its wait) begins; True if it is timed: no other is open (one calls another),
+        and it is in a step or after one's optimizer (the next step's data), not before the first step."""
+        if self._collective is not None:
             return False
-        phase = "backward" if self._backward is not None else "forward" if self._forward_start is not None else None
-        if phase is None:
-            return False
-        self._collective = (self.clock.mark(), phase)
+        step, gap = self._step, 0
+        if self._backward is not None:
+            phase = "backward"
+        elif self._forward_start is not None:
+            phase = "forward"
+        elif self._optimizer_start is not None:
+            phase = "optimizer"
+        elif step is None or step.optimizers:  # the next step's, if it starts where this one ends
+            if step is None and self._last_end is None:
+                return False
+            step, phase = None, "data"
+        elif self._gap is not None:
+            phase, gap = "gap", self._gap[1]
+        else:
+            phase = "other"
+        self._collective = (self.clock.mark(), step, phase, gap)
         return True
 
     def collective_ends(self) -> None:
-        step, opened = self._step, self._collective
-        self._collective = None
-        if step is not None and opened is not None:
-            step.collectives.append((opened[0], self.clock.mark(), opened[1]))
+        opened, self._collective = self._collective, None
+        if opened is None:
+            return
+        start, step, phase, gap = opened
+        collective = _Collective(start, self.clock.mark(), phase, gap)
+        if step is None:
+            self._between.append(collective)
+        elif step is self._step:
+            step.collectives.append(collective)
 
     # -- training_hooks listener ---------------------------------------------------------
 
@@ -251,6 +317,7 @@ class RankSteps:
                 return
             self._optimizer_ended = None
         self._backward = _Backward(self.clock.mark())
+        self._gap = None  # the loss, between forward and backward: not input
         step.losses.append(read_loss(loss))
 
     def backward_ends(self) -> None:
@@ -261,6 +328,8 @@ class RankSteps:
         step.backwards.append(backward)
         if self._optimizer_start is not None:
             step.in_closure.append((backward.start, backward.end))
+        else:
+            self._open_gap(backward.end)
         self._backward = None
 
     def optimizer_begins(self) -> None:
@@ -269,6 +338,9 @@ class RankSteps:
             self._optimizer_ended = None
             self._optimizer_start = self.clock.mark()
             self._closure_step = None
+            self._optimizer_step = self._step
+        # The idle time since the last micro-batch is its input's if the closure runs a forward.
+        self._closure_gap, self._gap = self._gap, None
 
     def optimizer_ends(self) -> None:
         with self._lock:
@@ -278,11 +350,17 @@ class RankSteps:
                 step.optimizers.append((self._optimizer_start, end))
                 step.end = end
                 step.memory = self.clock.memory()
+                if step is self._optimizer_step and self._between:
+                    # Another optimizer of the same step (no closure's forward began a new one): what
+                    # waited between the two was this step's.
+                    step.collectives += [_Collective(c.start, c.end, "other") for c in self._between]
+                    self._between.clear()
                 if self._release_after_s is not None:
                     self._optimizer_ended = time.monotonic()
                     self._watcher.wake()
             self._optimizer_start = None
             self._closure_step = None
+            self._closure_gap = None
 
     # -- finishing -----------------------------------------------------------------------
 
@@ -327,6 +405,10 @@ class RankSteps:
         if not step.optimizers:  # a GradScaler skipped the step: it ends with its backward
             step.end = step.backwards[-1].end
             step.memory = self.clock.memory()
+            if self._gap is not None:  # collectives after that backward: the next step's data
+                after = [c for c in step.collectives if c.phase == "gap" and c.gap == self._gap[1]]
+                step.collectives = [c for c in step.collectives if c not in after]
+                self._between += [_Collective(c.start, c.end, "data") for c in after]
         self._last_end = step.end
         self._step = None
         self._unsent.append(step)
@@ -345,17 +427,17 @@ class RankSteps:
         ms, start = self.clock.ms, step.start
         total = ms(start, step.end)
         first = step.forwards[0][0] if step.forwards else step.end
-        data = ms(start, first)
-        forward = sum(ms(a, b) for a, b in step.forwards)
+        collective = {"data": 0.0, "forward": 0.0, "backward": 0.0, "optimizer": 0.0, "other": 0.0}
+        for c in step.collectives:
+            phase = c.phase if c.phase != "gap" else "data" if c.gap in step.data_gaps else "other"
+            collective[phase] += ms(c.start, c.end)
+        data = ms(start, first) + sum(ms(a, b) for a, b in step.gaps) - collective["data"]
+        forward = sum(ms(a, b) for a, b in step.forwards) - collective["forward"]
         bucket_wait = sum(ms(b.last_ready, b.last_done) for b in step.backwards
                           if b.last_ready is not None and b.last_done is not None)
-        collective = {"forward": 0.0, "backward": 0.0}
-        for begun, ended, phase in step.collectives:
-            collective[phase] += ms(begun, ended)
-        forward -= collective["forward"]
-        comm_wait = bucket_wait + collective["forward"] + collective["backward"]
+        comm_wait = bucket_wait + sum(collective.values())
         backward = sum(ms(b.start, b.end) for b in step.backwards) - bucket_wait - collective["backward"]
-        optimizer = sum(ms(a, b) for a, b in step.optimizers)
+        optimizer = sum(ms(a, b) for a, b in step.optimizers) - collective["optimizer"]
         optimizer_start = step.optimizers[0][0] if step.optimizers else None
         if step.in_closure and step.optimizers:
             # From the closure's first forward on, only what its forwards and backwards leave (their
@@ -369,12 +451,12 @@ class RankSteps:
 
         waits = [b.last_ready for b in step.backwards if b.last_ready is not None and b.last_done is not None]
         dones = [b.last_done for b in step.backwards if b.last_done is not None]
-        if step.collectives:  # FSDP: the first collective, and the last one every rank leaves together
-            waits, dones = [step.collectives[0][0]], [step.collectives[-1][1]]
+        if not dones and step.collectives:  # FSDP: the first collective, the last every rank leaves together
+            waits, dones = [step.collectives[0].start], [step.collectives[-1].end]
         memory, peak = step.memory
         return RankStepFinished(
             rank=self.rank, step=step.number,
-            data_ms=data, forward_ms=max(forward, 0.0), backward_ms=max(backward, 0.0), comm_wait_ms=comm_wait,
+            data_ms=max(data, 0.0), forward_ms=max(forward, 0.0), backward_ms=max(backward, 0.0), comm_wait_ms=comm_wait,
             optimizer_ms=max(optimizer, 0.0), other_ms=max(total - data - forward - backward - comm_wait - optimizer, 0.0),
             total_ms=total, loss=_loss_value(step.losses), samples=step.samples,
             micro_batches=len(step.forwards), memory_bytes=memory, peak_memory_bytes=peak,
@@ -390,7 +472,8 @@ class RankSteps:
 def _marks(step: _Step) -> list[Any]:
     marks = [step.start, step.end, *(m for pair in step.forwards + step.optimizers for m in pair)]
     marks += [m for b in step.backwards for m in (b.start, b.end, b.last_ready, b.last_done) if m is not None]
-    marks += [m for begun, ended, _ in step.collectives for m in (begun, ended)]
+    marks += [m for c in step.collectives for m in (c.start, c.end)]
+    marks += [m for gap in step.gaps for m in gap]
     return marks
 
 
