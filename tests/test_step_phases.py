@@ -227,13 +227,18 @@ def test_a_loss_all_reduced_between_forward_and_backward_is_comm_wait_not_other(
         collective(steps, clock, 0.050)
         steps.backward_begins(torch.tensor(1.0))
         clock.now += 0.020
+        steps.bucket_ready(last=True)
+        clock.now += 0.002  # the gradients' all-reduce: the ranks left the loss's together
+        steps.bucket_done(last=True)
         steps.backward_ends()
         optimizer_step(steps, clock)
     steps.finish()
     step = sent[1]
-    assert step.comm_wait_ms == pytest.approx(50) and step.other_ms == pytest.approx(0, abs=1e-9)
+    assert step.comm_wait_ms == pytest.approx(52) and step.other_ms == pytest.approx(0, abs=1e-9)
     assert step.data_ms == pytest.approx(1) and step.forward_ms == pytest.approx(10)
-    assert step.comm_wait_start_ms == pytest.approx(11) and step.allreduce_end_ms == pytest.approx(61)
+    assert step.backward_ms == pytest.approx(20)
+    # The timeline's one comm_wait span starts at the longest wait; ranks align on the gradients' all-reduce.
+    assert step.comm_wait_start_ms == pytest.approx(11) and step.allreduce_end_ms == pytest.approx(83)
 
 
 def test_a_collective_after_the_optimizer_step_is_the_next_steps_comm_wait_not_its_data(steps, clock, sent):

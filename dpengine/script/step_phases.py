@@ -449,10 +449,14 @@ class RankSteps:
         def offset(mark: Any) -> float | None:
             return None if mark is None else ms(start, mark)
 
-        waits = [b.last_ready for b in step.backwards if b.last_ready is not None and b.last_done is not None]
+        # The timeline draws comm_wait as one span: where its longest wait began.
+        waits = [(ms(b.last_ready, b.last_done), b.last_ready) for b in step.backwards
+                 if b.last_ready is not None and b.last_done is not None]
+        waits += [(ms(c.start, c.end), c.start) for c in step.collectives]
+        longest_wait = max(waits, key=lambda wait: wait[0])[1] if waits else None
         dones = [b.last_done for b in step.backwards if b.last_done is not None]
-        if not dones and step.collectives:  # FSDP: the first collective, the last every rank leaves together
-            waits, dones = [step.collectives[0].start], [step.collectives[-1].end]
+        if not dones and step.collectives:  # FSDP: the last collective, which every rank leaves together
+            dones = [step.collectives[-1].end]
         memory, peak = step.memory
         return RankStepFinished(
             rank=self.rank, step=step.number,
@@ -463,7 +467,7 @@ class RankSteps:
             data_start_ms=0.0,
             forward_start_ms=offset(step.forwards[0][0] if step.forwards else None),
             backward_start_ms=offset(step.backwards[0].start if step.backwards else None),
-            comm_wait_start_ms=offset(waits[0] if waits else None),
+            comm_wait_start_ms=offset(longest_wait),
             optimizer_start_ms=offset(optimizer_start),
             allreduce_end_ms=offset(dones[-1] if dones else None),
         )
