@@ -149,10 +149,10 @@ class RankJoined:
 class RankStepFinished:
     rank: int
     step: int  # the rank's optimizer steps, from 0 (steps 0 and 1 are warm-up)
-    data_ms: float  # waiting for input: the previous step's end to the first forward
+    data_ms: float  # waiting for input: the previous step's end to the first forward, and before each later micro-batch
     forward_ms: float
     backward_ms: float  # backward compute, without comm_wait
-    comm_wait_ms: float  # exposed gradient all-reduce wait: last bucket ready to its all-reduce done
+    comm_wait_ms: float  # waiting for other ranks: the exposed gradient all-reduce wait, and blocking collectives
     optimizer_ms: float
     other_ms: float  # total_ms minus the phases above
     total_ms: float
