@@ -7,7 +7,7 @@ in, that wait was the rank's own time, so no rank stood out (or the one on time 
 input-bound). Each public collective of torch.distributed is wrapped where torch binds it
 (torch.distributed and torch.distributed.distributed_c10d, before the script imports either name):
 a call that blocks (async_op false), on the thread that runs the steps, is timed by the rank's phase
-clock (RankSteps.collective_begins). Not timed: async_op=True (its wait is the Work's, in C++), a call
+clock (RankSteps.collective). Not timed: async_op=True (its wait is the Work's, in C++), a call
 from another thread, and one inside a compiled region (left to dynamo as torch's own).
 """
 
@@ -59,12 +59,8 @@ def _timed(call: Callable, current_steps: Callable[[], RankSteps | None]) -> Cal
         steps = current_steps()
         if steps is None or steps.training_thread != threading.get_ident() or asynchronous(args, kwargs):
             return call(*args, **kwargs)
-        opened = steps.collective_begins()
-        try:
+        with steps.collective():
             return call(*args, **kwargs)
-        finally:
-            if opened:
-                steps.collective_ends()
 
     timed._dptui = True
     return timed

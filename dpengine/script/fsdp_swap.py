@@ -167,9 +167,5 @@ def _collective(call, *args, **kwargs):
     steps = _current_steps() if _current_steps is not None else None
     if steps is None:
         return call(*args, **kwargs)
-    opened = steps.collective_begins()
-    try:
+    with steps.collective():
         return call(*args, **kwargs)
-    finally:
-        if opened:
-            steps.collective_ends()

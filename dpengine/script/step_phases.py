@@ -30,10 +30,11 @@ counts into the next step's data phase.
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -296,6 +297,16 @@ class RankSteps:
             phase = "other"
         self._collective = (self.clock.mark(), step, phase, gap)
         return True
+
+    @contextlib.contextmanager
+    def collective(self) -> Iterator[None]:
+        """Time the collective (or its wait) run inside, unless it is no step's or within another."""
+        opened = self.collective_begins()
+        try:
+            yield
+        finally:
+            if opened:
+                self.collective_ends()
 
     def collective_ends(self) -> None:
         opened, self._collective = self._collective, None
