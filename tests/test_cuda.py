@@ -391,6 +391,32 @@ def test_a_ddp_ranks_own_peak_reads_as_without_dptui(tmp_path) -> None:
     assert "peak kept: True True" in lines(events), events[-20:]
 
 
+def test_a_ddp_ranks_own_nccl_collectives_are_timed_on_its_stream_as_comm_wait(tmp_path) -> None:
+    # collectives.py on a GPU: the marks around a blocking NCCL all-reduce are CUDA events on the rank's
+    # stream; a step's phases still add up to at most its total, and the loss's all-reduce is comm_wait.
+    events = dptui_run_events(tmp_path, """
+        import torch, torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+        dist.init_process_group("nccl")
+        torch.cuda.set_device(0)
+        model = DistributedDataParallel(torch.nn.Linear(1024, 1024).cuda())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(6):
+            loss = model(torch.randn(256, 1024, device="cuda")).pow(2).mean()
+            logged = loss.detach().clone()
+            dist.all_reduce(logged)  # between forward and backward, as torchvision's references log
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        dist.destroy_process_group()
+    """, "--nproc-per-node", "1")
+    steps = [e for e in events if e["type"] == "rank_step"]
+    assert len(steps) == 6, events[-20:]
+    for step in steps:
+        phases = sum(step[p] for p in ("data_ms", "forward_ms", "backward_ms", "comm_wait_ms", "optimizer_ms"))
+        assert phases <= step["total_ms"] * 1.0001 + 1e-6 and step["comm_wait_ms"] > 0, step
+
+
 @two_gpus
 def test_a_rank_on_gpu_1_without_set_device_opens_no_context_on_gpu_0(tmp_path) -> None:
     # The DDP tutorial's demo_basic: model.to(rank), no set_device. The step clock recorded its
