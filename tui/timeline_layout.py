@@ -11,7 +11,7 @@ forward) and its optimizer steps after the backward. (A backward's end is not la
 autograd thread runs the replicas' backwards one after another, so who ends last says who was
 started last, not who is slow.) A DDP step gives a
 row per rank: data, forward, backward, comm_wait, optimizer and other; a fast rank's
-comm_wait is its wait in the all-reduce for the slowest rank (the largest own time, step
+comm_wait is its wait (all-reduce, collectives) for the slowest rank (the largest own time, step
 minus comm_wait: the largest backward would blame the wrong rank).
 
 Phases start where the record says (`<phase>_start_ms`, from the step's start). Where a
