@@ -2,7 +2,8 @@
 each rank: the recording DDP, its comm hook, the phase clock, the sender) against plain torchrun.
 
 The same script, 2 gloo ranks, a step of at least 50 ms on a 2-core host (two 1024-wide linear layers, batch 384, the
-loss all-reduced for logging after the update), its own step time measured by itself (median over its steps after warm-up, rank 0). The recorded runs
+loss all-reduced for logging after the update), its own step time measured by itself (median over its steps after
+warm-up, rank 0). The recorded runs
 send to a sink that reads and discards, as dptui's server would read. Runs alternate, plain and
 recorded, round by round; the figure is the median over rounds, the ratio a ratio of medians.
 """

@@ -130,8 +130,7 @@ class _Step:
     in_closure: list[tuple[Any, Any]] = field(default_factory=list)  # forwards, backwards inside optimizer.step
     # Collectives (FSDP's, the script's): comm_wait, out of the phase they sit in (_Collective.phase).
     collectives: list[_Collective] = field(default_factory=list)
-    gaps: list[tuple[Any, Any]] = field(default_factory=list)  # before each later micro-batch: data
-    data_gaps: set[int] = field(default_factory=set)  # those gaps' numbers
+    gaps: list[tuple[Any, Any, int]] = field(default_factory=list)  # before each later micro-batch: data (its number)
     losses: list[LossReading | None] = field(default_factory=list)  # per micro-batch
     samples: int = 0
     synced: bool = True  # the last forward's backward all-reduces (not under no_sync())
@@ -258,8 +257,7 @@ class RankSteps:
         gap = self._closure_gap if in_optimizer else self._gap
         if gap is not None:
             since, number = gap
-            step.gaps.append((since, self.clock.mark()))
-            step.data_gaps.add(number)
+            step.gaps.append((since, self.clock.mark(), number))
 
     # -- the comm hook: each gradient bucket's all-reduce --------------------------------
 
@@ -439,10 +437,11 @@ class RankSteps:
         total = ms(start, step.end)
         first = step.forwards[0][0] if step.forwards else step.end
         collective = {"data": 0.0, "forward": 0.0, "backward": 0.0, "optimizer": 0.0, "other": 0.0}
+        data_gaps = {number for _, _, number in step.gaps}
         for c in step.collectives:
-            phase = c.phase if c.phase != "gap" else "data" if c.gap in step.data_gaps else "other"
+            phase = c.phase if c.phase != "gap" else "data" if c.gap in data_gaps else "other"
             collective[phase] += ms(c.start, c.end)
-        data = ms(start, first) + sum(ms(a, b) for a, b in step.gaps) - collective["data"]
+        data = ms(start, first) + sum(ms(a, b) for a, b, _ in step.gaps) - collective["data"]
         forward = sum(ms(a, b) for a, b in step.forwards) - collective["forward"]
         bucket_wait = sum(ms(b.last_ready, b.last_done) for b in step.backwards
                           if b.last_ready is not None and b.last_done is not None)
@@ -471,7 +470,8 @@ class RankSteps:
         memory, peak = step.memory
         return RankStepFinished(
             rank=self.rank, step=step.number,
-            data_ms=max(data, 0.0), forward_ms=max(forward, 0.0), backward_ms=max(backward, 0.0), comm_wait_ms=comm_wait,
+            data_ms=max(data, 0.0), forward_ms=max(forward, 0.0), backward_ms=max(backward, 0.0),
+            comm_wait_ms=comm_wait,
             optimizer_ms=max(optimizer, 0.0), other_ms=max(total - data - forward - backward - comm_wait - optimizer, 0.0),
             total_ms=total, loss=_loss_value(step.losses), samples=step.samples,
             micro_batches=len(step.forwards), memory_bytes=memory, peak_memory_bytes=peak,
@@ -488,7 +488,7 @@ def _marks(step: _Step) -> list[Any]:
     marks = [step.start, step.end, *(m for pair in step.forwards + step.optimizers for m in pair)]
     marks += [m for b in step.backwards for m in (b.start, b.end, b.last_ready, b.last_done) if m is not None]
     marks += [m for c in step.collectives for m in (c.start, c.end)]
-    marks += [m for gap in step.gaps for m in gap]
+    marks += [m for since, until, _ in step.gaps for m in (since, until)]
     return marks
 
 
