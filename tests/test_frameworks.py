@@ -84,12 +84,30 @@ def script_lines(events: list[dict]) -> list[str]:
 def test_lightning_and_accelerate_step_every_rank_with_disjoint_phases_and_the_right_verdict(script, launch, phase):
     # Lightning launching itself recorded rank 0 only, and its phases were wrong under every launch;
     # under `accelerate launch` dptui recorded no rank and said the script built no DataParallel.
-    done = dptui_run(launch, script, phase, "22")
+    # Lightning validates every 5 batches here (VALIDATE_EVERY).
+    validate = ["1", str(VALIDATE_EVERY)] if script == LIGHTNING else []
+    done = dptui_run(launch, script, phase, "22", *validate)
     assert done.returncode == 0, done.stderr
     events = json_events(done.stdout)
     assert len(of_type(events, "rank_joined")) == 2
     assert_steps_phases_and_verdict(events, 22, phase)
     assert not unexpected_notices(events), unexpected_notices(events)
+    if validate:
+        assert_validation_is_evaluation_not_data(events)
+
+
+VALIDATE_EVERY = 5
+VALIDATION_MS = 3 * 10.0  # the fixtures' validation loops: 3 batches of 10 ms
+
+
+def assert_validation_is_evaluation_not_data(events: list[dict]) -> None:
+    # The validation loop was the next step's data: every 5th step read as waiting for input.
+    on_time = {s["step"]: s for s in of_type(events, "rank_step") if s["rank"] == 0}
+    for number, step in on_time.items():
+        if number and number % VALIDATE_EVERY == 0:
+            assert step["eval_ms"] > 0.8 * VALIDATION_MS and step["data_ms"] < 0.8 * VALIDATION_MS, step
+        else:
+            assert step["eval_ms"] == 0, step  # the sanity check before step 0 is no step's
 
 
 def test_lightning_launching_itself_under_dptui_does_as_without_it():
@@ -163,10 +181,12 @@ HF_TRAINER = str(FRAMEWORKS / "hf_trainer.py")
 
 @pytest.mark.parametrize("phase", ["none", "data", "forward"])
 def test_hf_trainer_with_accumulation_steps_its_optimizer_steps_of_two_micro_batches(phase, tmp_path):
-    done = dptui_run("torchrun", HF_TRAINER, phase, "22", str(tmp_path))
+    # It evaluates every 5 steps here: the module without its DDP, from model.eval() to model.train().
+    done = dptui_run("torchrun", HF_TRAINER, phase, "22", str(tmp_path), str(VALIDATE_EVERY))
     assert done.returncode == 0, done.stderr
     events = json_events(done.stdout)
     assert_steps_phases_and_verdict(events, 22, phase)
+    assert_validation_is_evaluation_not_data(events)
     assert {(s["micro_batches"], s["samples"]) for s in of_type(events, "rank_step")} == {(2, 16)}
     assert [line for line in script_lines(events) if line.startswith("rank")] == [
         "rank 0 done: 22 steps", "rank 1 done: 22 steps"]

@@ -338,3 +338,77 @@ def test_after_a_skipped_update_a_collective_is_the_next_steps(steps, clock, sen
     first, second = sent
     assert first.total_ms == pytest.approx(30) and first.comm_wait_ms == 0
     assert second.comm_wait_ms == pytest.approx(10) and second.data_ms == pytest.approx(2)
+
+
+def evaluation(steps: RankSteps, clock: MovedClock, *, batches: int, forward: float, load: float,
+               sync: float = 0.0, train_call: bool = True) -> None:
+    """A validation loop between steps: model.eval(), then per batch its input and a forward without grad,
+    a metric all-reduced at the end, then model.train() (Lightning only sets `.training` back: no call)."""
+    steps.eval_begins()
+    for _ in range(batches):
+        clock.now += load
+        clock.now += forward
+        steps.eval_forward_ends()
+    if sync:
+        collective(steps, clock, sync)
+    if train_call:
+        steps.eval_ends()
+
+
+def test_an_evaluation_between_steps_is_other_not_the_next_steps_data(steps, clock, sent):
+    # A validation loop every N steps was the next step's data: the run read as input-bound.
+    micro_batch(steps, clock)
+    optimizer_step(steps, clock)
+    evaluation(steps, clock, batches=4, forward=0.010, load=0.005, sync=0.003)
+    clock.now += 0.002  # the next training batch loads
+    micro_batch(steps, clock)
+    optimizer_step(steps, clock)
+    micro_batch(steps, clock)
+    optimizer_step(steps, clock)
+    steps.finish()
+    first, second, third = sent
+    assert second.data_ms == pytest.approx(2) and second.comm_wait_ms == pytest.approx(3)
+    assert second.eval_ms == pytest.approx(60) and second.other_ms == pytest.approx(60)
+    assert second.total_ms == pytest.approx(2 + 3 + 60 + 35)
+    assert first.eval_ms == third.eval_ms == 0 and third.other_ms == pytest.approx(0, abs=1e-9)
+
+
+def test_without_model_train_an_evaluation_ends_at_its_last_forward(steps, clock, sent):
+    # Lightning restores `.training` itself: what follows the last forward (its metrics' all-reduce,
+    # the next batch) is the next step's.
+    micro_batch(steps, clock)
+    optimizer_step(steps, clock)
+    evaluation(steps, clock, batches=2, forward=0.010, load=0.005, sync=0.003, train_call=False)
+    clock.now += 0.007
+    micro_batch(steps, clock)
+    optimizer_step(steps, clock)
+    steps.finish()
+    second = sent[1]
+    assert second.eval_ms == pytest.approx(30) and second.data_ms == pytest.approx(7)
+    assert second.comm_wait_ms == pytest.approx(3) and second.total_ms == pytest.approx(30 + 3 + 7 + 35)
+
+
+def test_an_evaluation_without_forwards_or_train_call_lasts_to_the_next_step(steps, clock, sent):
+    # model.eval() and forwards the clock cannot see (HF Trainer evaluates the module without its DDP),
+    # and no model.train() before the next forward: all of it is the evaluation's.
+    micro_batch(steps, clock)
+    optimizer_step(steps, clock)
+    steps.eval_begins()
+    clock.now += 0.040
+    micro_batch(steps, clock)
+    optimizer_step(steps, clock)
+    steps.finish()
+    assert sent[1].eval_ms == pytest.approx(40) and sent[1].data_ms == pytest.approx(0, abs=1e-9)
+
+
+def test_evaluations_before_the_first_step_or_inside_one_are_not_counted(steps, clock, sent):
+    evaluation(steps, clock, batches=2, forward=0.010, load=0.005)  # Lightning's sanity check
+    micro_batch(steps, clock, synced=False)
+    steps.eval_begins()  # between two micro-batches, before the update: the step's own time
+    clock.now += 0.010
+    steps.eval_ends()
+    micro_batch(steps, clock)
+    optimizer_step(steps, clock)
+    steps.finish()
+    (only,) = sent
+    assert only.eval_ms == 0 and only.data_ms == pytest.approx(10) and only.micro_batches == 2

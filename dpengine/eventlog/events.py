@@ -170,6 +170,7 @@ class RankStepFinished:
     # The end of the step's gradient all-reduce, from the step start: every rank leaves it together,
     # so the ranks' steps are lined up on it (None where no Python comm hook could time it).
     allreduce_end_ms: float | None = None
+    eval_ms: float = 0.0  # of other_ms: an evaluation before the step (model.eval() to model.train())
 
 
 @dataclass(frozen=True, slots=True)

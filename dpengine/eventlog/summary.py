@@ -56,6 +56,7 @@ class RankFigures:
     phase_ms: dict[str, float | None]  # mean per phase, in STEP_PHASES order
     total_ms: float | None  # mean step
     own_ms: float | None  # mean step minus comm_wait: what the straggler verdict compares
+    eval_ms: float | None  # mean evaluation before a step, part of other (RankStepFinished.eval_ms)
     loss: float | None  # its last step's
     peak_memory_bytes: int | None
     end: str  # "finished", "failed: exit 1", "" while running or not in the log
@@ -125,13 +126,13 @@ class _DpPhaseSums:
 
 
 class _RankSums:
-    __slots__ = ("joined", "steps", "phases", "total", "own", "loss", "peak", "ended")
+    __slots__ = ("joined", "steps", "phases", "total", "own", "evaluation", "loss", "peak", "ended")
 
     def __init__(self) -> None:
         self.joined: RankJoined | None = None
         self.steps = 0
         self.phases = {phase: _Mean() for phase in STEP_PHASES}
-        self.total, self.own = _Mean(), _Mean()
+        self.total, self.own, self.evaluation = _Mean(), _Mean(), _Mean()
         self.loss: float | None = None
         self.peak: int | None = None
         self.ended: RankEnded | None = None
@@ -210,6 +211,7 @@ class RunSummary:
         rank.total.add(total)
         if total is not None:
             rank.own.add(total - (wait or 0.0))
+        rank.evaluation.add(_number(step.eval_ms))
         loss = _number(step.loss)
         rank.loss = loss if loss is not None else rank.loss
         peak = step.peak_memory_bytes if step.peak_memory_bytes is not None else step.memory_bytes
@@ -231,6 +233,7 @@ class RunSummary:
                 phase_ms={phase: rank.phases[phase].value for phase in STEP_PHASES},
                 total_ms=rank.total.value,
                 own_ms=rank.own.value,
+                eval_ms=rank.evaluation.value,
                 loss=rank.loss,
                 peak_memory_bytes=rank.peak,
                 end=rank_end_words(ended) if ended else "",
@@ -303,6 +306,10 @@ def rank_lines(summary: RunSummary) -> list[str]:
         for row in rows
     ]
     lines.append("ms per step, means over each rank's steps; own = step - comm_wait (what the verdict compares)")
+    evaluating = [r for r in summary.ranks() if r.eval_ms]
+    if evaluating:
+        means = " · ".join(f"rank {r.rank} {ms(r.eval_ms)}" for r in evaluating)
+        lines.append(f"other includes evaluation between steps (model.eval() to model.train()): {means} ms/step")
     if not summary.verdicts:
         lines.append("straggler verdicts: none")
     else:

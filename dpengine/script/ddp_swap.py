@@ -5,8 +5,9 @@ torch.nn.parallel.distributed.DistributedDataParallel) is bound to `DistributedD
 before the script runs. It is torch's class with three additions, and behaves as torch's otherwise
 (isinstance, .module, no_sync(), state_dict() keys, static_graph, find_unused_parameters, pickling
 by torch's name, torch.compile):
-- forward() tells the rank's phase clock (step_phases.RankSteps) when it begins and ends: outside
-  any compiled region, as its own frame is never traced;
+- forward() tells the rank's phase clock (step_phases.RankSteps) when it begins and ends, and a
+  forward without grad that it is an evaluation's: outside any compiled region, as its own frame is
+  never traced;
 - a comm hook times each gradient bucket's all-reduce: torch's default all-reduce, or the script's
   own hook (register_comm_hook is intercepted; the script's hook runs inside ours);
 - torch's own reads of the class attribute `_active_ddp_module` (dynamo's DDPOptimizer) still see
@@ -23,7 +24,7 @@ import torch
 import torch.nn.parallel.distributed as torch_distributed
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from . import collectives, fsdp_swap
+from . import collectives, eval_mode, fsdp_swap
 from .step_phases import CudaClock, HostClock, RankSteps, samples_of
 
 TorchDDP = torch_distributed.DistributedDataParallel
@@ -57,12 +58,21 @@ class DistributedDataParallel(TorchDDP, metaclass=_SharedActiveModule):
         self._dptui_user_hook: tuple[Callable, object] | None = None
         self._dptui_builtin_hook = False
         _rank_steps(self)
+        eval_mode.watch(self)
 
     @torch._disable_dynamo(recursive=False)
     def forward(self, *inputs, **kwargs):
         steps = _steps
-        if steps is None or not torch.is_grad_enabled():  # evaluation is no training step
+        if steps is None:
             return super().forward(*inputs, **kwargs)
+        if not torch.is_grad_enabled():  # an evaluation's forward, no training step
+            if steps.training_thread != threading.get_ident():
+                return super().forward(*inputs, **kwargs)
+            steps.eval_begins()
+            try:
+                return super().forward(*inputs, **kwargs)
+            finally:
+                steps.eval_forward_ends()
         if not self._dptui_hooked and not self._dptui_builtin_hook:
             self._dptui_hook(allreduce_hook, self.process_group)
         steps.forward_begins(samples_of(inputs, kwargs), synced=self.require_backward_grad_sync)
@@ -191,3 +201,4 @@ def install(make_steps: Callable[[HostClock | CudaClock], RankSteps], notice: Ca
     torch.nn.parallel.DistributedDataParallel = DistributedDataParallel
     fsdp_swap.install(ensure_steps, current_steps)
     collectives.install(current_steps)
+    eval_mode.install(current_steps)

@@ -16,7 +16,11 @@ Its phases:
 - optimizer: optimizer.step, through torch's global hooks, without the forwards and backwards its
   closure runs (Lightning's loop, LBFGS): those are the step's forward and backward, and the
   optimizer's own time starts at the first of them (before it, the step's data phase);
-- other: the step's total minus the phases above.
+- other: the step's total minus the phases above. It holds the evaluation before the step (eval_ms):
+  from `model.eval()` on the model a DDP trains, or its first forward without grad, to
+  `model.train()` or, when that never comes (Lightning sets `.training` itself), the end of the last
+  forward without grad; its collectives stay comm_wait. Without it, a validation loop every N steps
+  was the next step's data: the run looked input-bound.
 Times are marks of a clock: the host's perf_counter on the CPU (gloo); CUDA events on the current
 stream on a GPU, read once they have completed (never a synchronize on the training stream), so a
 CUDA step is sent a little later, as soon as its events are done.
@@ -121,6 +125,17 @@ class _Collective:
 
 
 @dataclass
+class _Eval:
+    """An evaluation between two steps (eval_mode.py): in other, not in the next step's data."""
+
+    start: Any
+    end: Any = None
+    last_forward_end: Any = None  # its last forward without grad, where it ends if no model.train() comes
+    waits: list[_Collective] = field(default_factory=list)  # its collectives: comm_wait, not evaluation
+    waits_after_forward: list[_Collective] = field(default_factory=list)  # its own only if model.train() comes
+
+
+@dataclass
 class _Step:
     number: int
     start: Any
@@ -131,6 +146,7 @@ class _Step:
     # Collectives (FSDP's, the script's): comm_wait, out of the phase they sit in (_Collective.phase).
     collectives: list[_Collective] = field(default_factory=list)
     gaps: list[tuple[Any, Any, int]] = field(default_factory=list)  # before each later micro-batch: data (its number)
+    evals: list[_Eval] = field(default_factory=list)  # before its first forward: other, not data
     losses: list[LossReading | None] = field(default_factory=list)  # per micro-batch
     samples: int = 0
     synced: bool = True  # the last forward's backward all-reduces (not under no_sync())
@@ -170,6 +186,8 @@ class RankSteps:
         self._closure_step: _Step | None = None  # the step the open optimizer.step's closure is running
         self._collective: tuple[Any, _Step | None, str, int] | None = None  # the open one: start, step, phase, gap
         self._between: list[_Collective] = []  # after the open step's optimizer: the next step's data
+        self._eval: _Eval | None = None  # the evaluation open now (between steps)
+        self._evals: list[_Eval] = []  # closed since the open step's optimizer: the next step's
         # The idle time after a micro-batch until the next forward (then data) or backward (not data):
         # where it began and its number; and the one open when optimizer.step(closure) began.
         self._gap: tuple[Any, int] | None = None
@@ -200,6 +218,8 @@ class RankSteps:
         if self._step is None:
             self._last_end = self.clock.mark()
             self._between.clear()  # before this start: no step's
+            self._evals.clear()
+            self._eval = None
 
     # -- the DDP forward ---------------------------------------------------------------
 
@@ -207,6 +227,8 @@ class RankSteps:
         in_optimizer = self._optimizer_start is not None
         if self.training_thread is None:
             self.training_thread = threading.get_ident()
+        if self._eval is not None:  # no model.train() came: the evaluation ended with its last forward
+            self._close_eval(self._eval.last_forward_end or self.clock.mark())
         with self._lock:
             step = self._step
             self._optimizer_ended = None
@@ -220,11 +242,12 @@ class RankSteps:
                 self._last_end = None  # paused: the step starts now, not at the previous one's end
             start = self._last_end
             between, self._between = self._between, []
+            evals, self._evals = self._evals, []
             if start is None:  # what came before the step starts is no step's
                 start = self._optimizer_start if in_optimizer else self.clock.mark()
-                between = []
+                between, evals = [], []
             with self._lock:
-                step = self._step = _Step(self._next, start, collectives=between)
+                step = self._step = _Step(self._next, start, collectives=between, evals=evals)
                 self._next += 1
         else:
             self._data_gap(step, in_optimizer)
@@ -258,6 +281,42 @@ class RankSteps:
         if gap is not None:
             since, number = gap
             step.gaps.append((since, self.clock.mark(), number))
+
+    # -- evaluation between steps: eval_mode.py, and the DDP's forwards without grad -----------
+
+    def _between_steps(self) -> bool:
+        """After a step's optimizer (or its release) and before the next forward: what runs now is the next
+        step's, if that step starts where this one ended (not before the first step, not after a pause)."""
+        if self._forward_start is not None or self._backward is not None or self._optimizer_start is not None:
+            return False
+        step = self._step
+        return bool(step.optimizers) if step is not None else self._last_end is not None
+
+    def eval_begins(self) -> None:
+        """model.eval() on the trained model, or a forward without grad: an evaluation, if none is open."""
+        if self._eval is None and self._between_steps():
+            self._eval = _Eval(self.clock.mark())
+
+    def eval_forward_ends(self) -> None:
+        evaluation = self._eval
+        if evaluation is not None:
+            evaluation.last_forward_end = self.clock.mark()
+            evaluation.waits += evaluation.waits_after_forward
+            evaluation.waits_after_forward = []
+
+    def eval_ends(self) -> None:
+        """model.train() on the trained model."""
+        evaluation = self._eval
+        if evaluation is not None:
+            evaluation.waits += evaluation.waits_after_forward
+            self._close_eval(self.clock.mark())
+
+    def _close_eval(self, end: Any) -> None:
+        """At model.train(), or else at the last forward: the collectives after it are the next step's data."""
+        evaluation, self._eval = self._eval, None
+        evaluation.end = end
+        evaluation.waits_after_forward = []
+        self._evals.append(evaluation)
 
     # -- the comm hook: each gradient bucket's all-reduce --------------------------------
 
@@ -314,6 +373,8 @@ class RankSteps:
         collective = _Collective(start, self.clock.mark(), phase, gap)
         if step is None:
             self._between.append(collective)
+            if self._eval is not None:
+                self._eval.waits_after_forward.append(collective)
         elif step is self._step:
             step.collectives.append(collective)
 
@@ -441,7 +502,8 @@ class RankSteps:
         for c in step.collectives:
             phase = c.phase if c.phase != "gap" else "data" if c.gap in data_gaps else "other"
             collective[phase] += ms(c.start, c.end)
-        data = ms(start, first) + sum(ms(a, b) for a, b, _ in step.gaps) - collective["data"]
+        evaluation = sum(ms(e.start, e.end) - sum(ms(c.start, c.end) for c in e.waits) for e in step.evals)
+        data = ms(start, first) + sum(ms(a, b) for a, b, _ in step.gaps) - collective["data"] - evaluation
         forward = sum(ms(a, b) for a, b in step.forwards) - collective["forward"]
         bucket_wait = sum(ms(b.last_ready, b.last_done) for b in step.backwards
                           if b.last_ready is not None and b.last_done is not None)
@@ -473,7 +535,7 @@ class RankSteps:
             data_ms=max(data, 0.0), forward_ms=max(forward, 0.0), backward_ms=max(backward, 0.0),
             comm_wait_ms=comm_wait,
             optimizer_ms=max(optimizer, 0.0), other_ms=max(total - data - forward - backward - comm_wait - optimizer, 0.0),
-            total_ms=total, loss=_loss_value(step.losses), samples=step.samples,
+            total_ms=total, eval_ms=max(evaluation, 0.0), loss=_loss_value(step.losses), samples=step.samples,
             micro_batches=len(step.forwards), memory_bytes=memory, peak_memory_bytes=peak,
             data_start_ms=0.0,
             forward_start_ms=offset(step.forwards[0][0] if step.forwards else None),
@@ -489,6 +551,7 @@ def _marks(step: _Step) -> list[Any]:
     marks += [m for b in step.backwards for m in (b.start, b.end, b.last_ready, b.last_done) if m is not None]
     marks += [m for c in step.collectives for m in (c.start, c.end)]
     marks += [m for since, until, _ in step.gaps for m in (since, until)]
+    marks += [m for e in step.evals for m in (e.start, e.end)]
     return marks
 
 
