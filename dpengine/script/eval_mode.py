@@ -16,6 +16,7 @@ import threading
 import weakref
 from collections.abc import Callable
 
+import torch
 from torch import nn
 
 from .step_phases import RankSteps
@@ -39,6 +40,8 @@ def install(current_steps: Callable[[], RankSteps | None]) -> None:
 
     @functools.wraps(original)
     def train(self: nn.Module, mode: bool = True) -> nn.Module:
+        if torch.compiler.is_compiling():  # a compiled region's call: left to dynamo as torch's own
+            return original(self, mode)
         steps = current_steps()
         if (steps is None or steps.training_thread != threading.get_ident() or getattr(_inside, "on", False)
                 or not _trained_model(self)):
