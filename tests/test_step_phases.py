@@ -412,3 +412,17 @@ def test_evaluations_before_the_first_step_or_inside_one_are_not_counted(steps, 
     steps.finish()
     (only,) = sent
     assert only.eval_ms == 0 and only.data_ms == pytest.approx(10) and only.micro_batches == 2
+
+
+def test_a_model_put_in_eval_mode_to_train_is_no_evaluation(steps, clock, sent):
+    # `model.eval()` before each step to freeze BatchNorm, then a forward with grad: the batch loaded
+    # between them is data, not an evaluation.
+    micro_batch(steps, clock)
+    optimizer_step(steps, clock)
+    steps.eval_begins()
+    clock.now += 0.020
+    steps.trains_in_eval_mode()
+    micro_batch(steps, clock)
+    optimizer_step(steps, clock)
+    steps.finish()
+    assert sent[1].eval_ms == 0 and sent[1].data_ms == pytest.approx(20)

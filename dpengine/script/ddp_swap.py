@@ -75,6 +75,8 @@ class DistributedDataParallel(TorchDDP, metaclass=_SharedActiveModule):
                 steps.eval_forward_ends()
         if not self._dptui_hooked and not self._dptui_builtin_hook:
             self._dptui_hook(allreduce_hook, self.process_group)
+        if not (self.training and self.module.training):
+            steps.trains_in_eval_mode()
         steps.forward_begins(samples_of(inputs, kwargs), synced=self.require_backward_grad_sync)
         try:
             return super().forward(*inputs, **kwargs)

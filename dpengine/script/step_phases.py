@@ -311,6 +311,12 @@ class RankSteps:
             evaluation.waits += evaluation.waits_after_forward
             self._close_eval(self.clock.mark())
 
+    def trains_in_eval_mode(self) -> None:
+        """A forward with grad on the model in eval mode: a model.eval() with no forward without grad
+        since froze its BatchNorm and dropout for training, no evaluation (its time stays data)."""
+        if self._eval is not None and self._eval.last_forward_end is None:
+            self._eval = None
+
     def _close_eval(self, end: Any) -> None:
         """At model.train(), or else at the last forward: the collectives after it are the next step's data."""
         evaluation, self._eval = self._eval, None
