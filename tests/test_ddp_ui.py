@@ -517,3 +517,20 @@ def test_dptui_runs_log_says_which_rank_printed_a_line_and_keeps_each_ranks_prog
     view.feed(ScriptOutput("stderr", " 10%|#", cr=True, rank=1))
     assert [line.text for line in view.take_log()] == ["[rank 0] epoch 1: loss 0.5", "torchrun says this"]
     assert [line.text for line in view.live_lines()] == ["[rank 0]  40%|####", "[rank 1]  10%|#"]
+
+
+def test_the_summary_says_how_much_of_other_was_evaluation_and_only_when_there_was_some():
+    from dataclasses import replace
+
+    from dpengine.eventlog.summary import RunSummary, rank_lines
+
+    summary = RunSummary()
+    for step in range(4):
+        summary.feed(rank_step(1, step))
+        # rank 0 validates before step 2: 30 ms of its other
+        summary.feed(replace(rank_step(0, step), other_ms=30.5, eval_ms=30.0) if step == 2 else rank_step(0, step))
+    assert "other includes evaluation between steps (model.eval() to model.train()): rank 0 7.50 ms/step" \
+        in rank_lines(summary)
+    quiet = RunSummary()
+    quiet.feed(rank_step(0, 0))
+    assert not [line for line in rank_lines(quiet) if "evaluation" in line]
