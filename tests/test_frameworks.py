@@ -151,7 +151,11 @@ def test_accelerate_launch_under_dptui_does_as_without_it():
     plain = subprocess.run(["accelerate", "launch", *two_cpu_ranks(), ACCELERATE, "none", "6"], capture_output=True,
                            text=True, timeout=300, env=with_python_bin_on_path())
     watched = dptui_run("script", ACCELERATE, "none", "6")
-    assert (watched.returncode, plain.returncode) == (0, 0), (watched.stderr, plain.stderr)
+    assert watched.returncode == 0, watched.stderr
+    # gloo may abort a plain rank in teardown too, after its last line (torch's own, seen in CI): the
+    # run still did what it does.
+    assert plain.returncode == 0 or ("Signal 6 (SIGABRT)" in plain.stderr and plain.stdout.count("done") == 2), \
+        plain.stderr
     assert_same_lines(watched, plain, 6)
     ended = of_type(json_events(watched.stdout), "rank_ended")
     assert sorted((e["rank"], e["exit_code"], e["script_finished"]) for e in ended) == [(0, 0, True), (1, 0, True)]
