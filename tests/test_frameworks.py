@@ -169,11 +169,12 @@ FSDP = str(FRAMEWORKS / "fsdp_loop.py")
                                              ("fsdp1", "backward")])
 def test_fsdp_steps_every_rank_with_its_collective_wait_and_the_right_verdict(kind, phase):
     # FSDP's all-gathers and reduce-scatters: nothing was recorded (no DDP), and a rank waiting on a
-    # late one in its forward's all-gather would have been blamed for forward.
-    done = dptui_run("torchrun", FSDP, kind, phase, "22")
+    # late one in its forward's all-gather would have been blamed for forward. It validates every 5 steps.
+    done = dptui_run("torchrun", FSDP, kind, phase, "22", str(VALIDATE_EVERY))
     assert done.returncode == 0, done.stderr
     events = json_events(done.stdout)
     assert_steps_phases_and_verdict(events, 22, phase)
+    assert_validation_is_evaluation_not_data(events)
     assert not unexpected_notices(events), unexpected_notices(events)
     if phase != "none":  # the rank on time waits the slow one's 50 ms in FSDP's collectives
         late = [s for s in of_type(events, "rank_step") if s["rank"] == 0 and s["step"] >= 4]

@@ -5,7 +5,8 @@ imports torch.distributed.fsdp (not before: the import costs half a second a ran
 - Building FSDP (FSDP2's state init, FSDP1's constructor) makes the rank's phase clock, as a DDP does.
 - The outermost FSDP forward with gradients is the step's forward (FSDP2's pre/post-forward hooks of
   the module that opened it, FSDP1's forward). A forward that re-runs in backward (activation
-  checkpointing) is backward's.
+  checkpointing) is backward's. One without gradients, on the training thread, is an evaluation's:
+  between steps, from the first such forward to the end of the last (RankSteps' eval_ms).
 - What FSDP waits on its collectives in forward and backward is the exposed comm_wait: the parameter
   all-gathers and their waits (FSDP2's unshard and wait_for_unshard, FSDP1's pre-forward and
   pre-backward unshard) and the gradient reduce-scatters and their final wait (post_backward and
@@ -104,11 +105,29 @@ def _wrap(owner, name: str, around) -> None:
     setattr(owner, name, wrapped)
 
 
-def _training_steps() -> RankSteps | None:
+def _opening() -> tuple[RankSteps, bool] | None:
+    """The rank's clock if an outermost FSDP forward opens now, and whether it trains (else it is an
+    evaluation's: no grad, on the training thread)."""
     steps = _current_steps() if _current_steps is not None else None
-    if steps is None or not torch.is_grad_enabled() or steps.in_backward:
+    if steps is None or steps.in_backward or getattr(_opened, "by", None) is not None:
         return None
-    return steps
+    if torch.is_grad_enabled():
+        return steps, True
+    return (steps, False) if steps.training_thread == threading.get_ident() else None
+
+
+def _open(steps: RankSteps, training: bool, by: object, args, kwargs, synced: Callable[[], bool]) -> None:
+    _opened.by, _opened.training = by, training
+    if training:
+        steps.forward_begins(samples_of(args, kwargs), synced=synced())
+    else:
+        steps.eval_begins()
+
+
+def _close(steps: RankSteps | None) -> None:
+    _opened.by = None
+    if steps is not None:
+        steps.forward_ends() if _opened.training else steps.eval_forward_ends()
 
 
 # -- FSDP2 ------------------------------------------------------------------------------
@@ -121,21 +140,16 @@ def _fsdp2_built(init, state, modules, device, *args, **kwargs):
 
 
 def _fsdp2_pre_forward(pre_forward, state, module, args, kwargs):
-    steps = _training_steps()
-    if steps is not None and getattr(_opened, "by", None) is None:
-        _opened.by = module
-        synced = all(group.reduce_grads for group in state._fsdp_param_groups)
-        steps.forward_begins(samples_of(args, kwargs), synced=synced)
+    opening = _opening()
+    if opening is not None:
+        _open(*opening, module, args, kwargs, lambda: all(group.reduce_grads for group in state._fsdp_param_groups))
     return pre_forward(state, module, args, kwargs)
 
 
 def _fsdp2_post_forward(post_forward, state, module, input, output):
     output = post_forward(state, module, input, output)
     if getattr(_opened, "by", None) is module:
-        _opened.by = None
-        steps = _current_steps()
-        if steps is not None:
-            steps.forward_ends()
+        _close(_current_steps())
     return output
 
 
@@ -148,16 +162,15 @@ def _fsdp1_built(init, fsdp, *args, **kwargs):
 
 
 def _fsdp1_forward(forward, fsdp, *args, **kwargs):
-    steps = _training_steps()
-    if steps is None or getattr(_opened, "by", None) is not None:
+    opening = _opening()
+    if opening is None:
         return forward(fsdp, *args, **kwargs)
-    _opened.by = fsdp
-    steps.forward_begins(samples_of(args, kwargs), synced=fsdp._sync_gradients)
+    steps = opening[0]
+    _open(*opening, fsdp, args, kwargs, lambda: fsdp._sync_gradients)
     try:
         return forward(fsdp, *args, **kwargs)
     finally:
-        _opened.by = None
-        steps.forward_ends()
+        _close(steps)
 
 
 # -- both -------------------------------------------------------------------------------
