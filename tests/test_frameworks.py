@@ -84,16 +84,15 @@ def script_lines(events: list[dict]) -> list[str]:
 def test_lightning_and_accelerate_step_every_rank_with_disjoint_phases_and_the_right_verdict(script, launch, phase):
     # Lightning launching itself recorded rank 0 only, and its phases were wrong under every launch;
     # under `accelerate launch` dptui recorded no rank and said the script built no DataParallel.
-    # Lightning validates every 5 batches here (VALIDATE_EVERY).
-    validate = ["1", str(VALIDATE_EVERY)] if script == LIGHTNING else []
+    # Each validates every 5 steps here (VALIDATE_EVERY; Lightning's argument after accumulate_grad_batches).
+    validate = ["1", str(VALIDATE_EVERY)] if script == LIGHTNING else [str(VALIDATE_EVERY)]
     done = dptui_run(launch, script, phase, "22", *validate)
     assert done.returncode == 0, done.stderr
     events = json_events(done.stdout)
     assert len(of_type(events, "rank_joined")) == 2
     assert_steps_phases_and_verdict(events, 22, phase)
     assert not unexpected_notices(events), unexpected_notices(events)
-    if validate:
-        assert_validation_is_evaluation_not_data(events)
+    assert_validation_is_evaluation_not_data(events)
 
 
 VALIDATE_EVERY = 5
