@@ -370,6 +370,9 @@ def test_an_evaluation_between_steps_is_other_not_the_next_steps_data(steps, clo
     assert second.data_ms == pytest.approx(2) and second.comm_wait_ms == pytest.approx(3)
     assert second.eval_ms == pytest.approx(60) and second.other_ms == pytest.approx(60)
     assert second.total_ms == pytest.approx(2 + 3 + 60 + 35)
+    # drawn where they ran: the evaluation from the step's start, the input after it, then forward
+    assert (second.other_start_ms, second.data_start_ms, second.forward_start_ms) == pytest.approx((0, 63, 65))
+    assert (first.other_start_ms, first.data_start_ms) == (None, 0.0)
     assert first.eval_ms == third.eval_ms == 0 and third.other_ms == pytest.approx(0, abs=1e-9)
 
 

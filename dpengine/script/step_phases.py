@@ -536,6 +536,8 @@ class RankSteps:
         if not dones and step.collectives:  # FSDP: the last collective, which every rank leaves together
             dones = [step.collectives[-1].end]
         memory, peak = step.memory
+        # An evaluation before the step comes first, then the input: where the timeline draws them.
+        evaluated = (offset(step.evals[0].start), offset(step.evals[-1].end)) if step.evals else (None, 0.0)
         return RankStepFinished(
             rank=self.rank, step=step.number,
             data_ms=max(data, 0.0), forward_ms=max(forward, 0.0), backward_ms=max(backward, 0.0),
@@ -543,7 +545,7 @@ class RankSteps:
             optimizer_ms=max(optimizer, 0.0), other_ms=max(total - data - forward - backward - comm_wait - optimizer, 0.0),
             total_ms=total, eval_ms=max(evaluation, 0.0), loss=_loss_value(step.losses), samples=step.samples,
             micro_batches=len(step.forwards), memory_bytes=memory, peak_memory_bytes=peak,
-            data_start_ms=0.0,
+            data_start_ms=evaluated[1], other_start_ms=evaluated[0],
             forward_start_ms=offset(step.forwards[0][0] if step.forwards else None),
             backward_start_ms=offset(step.backwards[0].start if step.backwards else None),
             comm_wait_start_ms=offset(longest_wait),
