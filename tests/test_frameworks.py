@@ -80,6 +80,7 @@ def script_lines(events: list[dict]) -> list[str]:
     (LIGHTNING, "torchrun", "none"), (LIGHTNING, "torchrun", "data"), (LIGHTNING, "torchrun", "forward"),
     (LIGHTNING, "self", "forward"),  # "self", "none": in the test after this one
     (ACCELERATE, "torchrun", "none"), (ACCELERATE, "torchrun", "data"), (ACCELERATE, "module", "forward"),
+    (ACCELERATE, "torchrun", "other"),  # work after the update (an EMA) was data: before the DataLoader's fetch
     (ACCELERATE, "script", "data")])
 def test_lightning_and_accelerate_step_every_rank_with_disjoint_phases_and_the_right_verdict(script, launch, phase):
     # Lightning launching itself recorded rank 0 only, and its phases were wrong under every launch;

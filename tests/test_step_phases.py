@@ -429,3 +429,42 @@ def test_a_model_put_in_eval_mode_to_train_is_no_evaluation(steps, clock, sent):
     optimizer_step(steps, clock)
     steps.finish()
     assert sent[1].eval_ms == 0 and sent[1].data_ms == pytest.approx(20)
+
+
+def test_work_after_the_update_before_the_dataloaders_fetch_is_other_and_the_fetch_on_is_data(steps, clock, sent):
+    # An EMA of the weights after optimizer.step was the next step's data: "raise num_workers".
+    micro_batch(steps, clock)
+    optimizer_step(steps, clock)
+    clock.now += 0.040  # the EMA update
+    collective(steps, clock, 0.003)  # a loss all-reduced for logging
+    steps.input_begins()
+    clock.now += 0.006  # the fetch
+    collective(steps, clock, 0.002)  # a broadcast after it (Lightning's, at each batch)
+    clock.now += 0.001  # to the device
+    steps.input_begins()  # a second loader's fetch: the input began at the first
+    micro_batch(steps, clock)
+    optimizer_step(steps, clock)
+    steps.finish()
+    second = sent[1]
+    assert second.data_ms == pytest.approx(7) and second.other_ms == pytest.approx(40)
+    assert second.comm_wait_ms == pytest.approx(5) and second.eval_ms == 0
+    assert (second.other_start_ms, second.data_start_ms, second.forward_start_ms) == pytest.approx((0, 43, 52))
+
+
+def test_an_evaluations_own_fetches_are_not_the_next_steps_input(steps, clock, sent):
+    micro_batch(steps, clock)
+    optimizer_step(steps, clock)
+    steps.eval_begins()
+    steps.input_begins()  # the validation loader's
+    clock.now += 0.020
+    steps.eval_forward_ends()
+    steps.eval_ends()
+    clock.now += 0.001
+    steps.input_begins()  # the training loader's
+    clock.now += 0.004
+    micro_batch(steps, clock)
+    optimizer_step(steps, clock)
+    steps.finish()
+    second = sent[1]
+    assert second.eval_ms == pytest.approx(20) and second.data_ms == pytest.approx(4)
+    assert second.other_ms == pytest.approx(21)

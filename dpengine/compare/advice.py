@@ -103,8 +103,8 @@ WHERE_TO_LOOK = {
     "forward": "its device (a slower or busier GPU, clocks held down by heat or power) and its share of the data",
     "backward": "its device (a slower or busier GPU, clocks held down by heat or power) and its share of the data",
     "optimizer": "its device, and work its update does that the others' do not",
-    "other": "what the script does there outside forward, backward and the update (logging, checkpoints, "
-             "evaluation on that rank alone)",
+    "other": "what the script does there outside forward, backward and the update (an EMA of the weights, "
+             "logging, checkpoints, evaluation on that rank alone)",
 }
 
 

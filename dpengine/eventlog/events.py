@@ -149,7 +149,7 @@ class RankJoined:
 class RankStepFinished:
     rank: int
     step: int  # the rank's optimizer steps, from 0 (steps 0 and 1 are warm-up)
-    data_ms: float  # waiting for input: the previous step's end to the first forward, and before each later micro-batch
+    data_ms: float  # waiting for input: to the first forward from the previous step's end (or from the DataLoader's fetch), and before each later micro-batch
     forward_ms: float
     backward_ms: float  # backward compute, without comm_wait
     comm_wait_ms: float  # waiting for other ranks: the exposed gradient all-reduce wait, and blocking collectives

@@ -24,7 +24,7 @@ import torch
 import torch.nn.parallel.distributed as torch_distributed
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from . import collectives, eval_mode, fsdp_swap
+from . import collectives, eval_mode, fsdp_swap, input_fetch
 from .step_phases import CudaClock, HostClock, RankSteps, samples_of
 
 TorchDDP = torch_distributed.DistributedDataParallel
@@ -204,3 +204,4 @@ def install(make_steps: Callable[[HostClock | CudaClock], RankSteps], notice: Ca
     fsdp_swap.install(ensure_steps, current_steps)
     collectives.install(current_steps)
     eval_mode.install(current_steps)
+    input_fetch.install(current_steps)

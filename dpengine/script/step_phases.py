@@ -5,8 +5,10 @@ step. It ends at the last optimizer step before the next forward (several optimi
 GradScaler skipped optimizer.step, at the end of the synchronised backward before the next forward.
 Its phases:
 - data: the previous step's end to the first forward (input loading, the script's own host work),
-  and before each later micro-batch's forward the time since the micro-batch before it (its input:
-  gradient accumulation in Lightning, HF Trainer, accelerate);
+  or, where the training DataLoader's fetch was seen (input_fetch.py), that fetch's start to the
+  first forward: what the script did before it (an EMA, a schedule, logging, a checkpoint) is
+  other; and before each later micro-batch's forward the time since the micro-batch before it (its
+  input: gradient accumulation in Lightning, HF Trainer, accelerate);
 - forward and backward: the DDP forwards and the backward calls (backward without comm_wait);
 - comm_wait: waiting for the other ranks: the exposed gradient all-reduce wait (the last bucket
   ready, its comm hook called, to its all-reduce done, the hook's future completed), FSDP's
@@ -16,7 +18,8 @@ Its phases:
 - optimizer: optimizer.step, through torch's global hooks, without the forwards and backwards its
   closure runs (Lightning's loop, LBFGS): those are the step's forward and backward, and the
   optimizer's own time starts at the first of them (before it, the step's data phase);
-- other: the step's total minus the phases above. It holds the evaluation before the step (eval_ms):
+- other: the step's total minus the phases above. It holds the script's own work before the
+  DataLoader's fetch, and the evaluation before the step (eval_ms):
   from `model.eval()` on the model a DDP trains, or its first forward without grad, to
   `model.train()` or, when that never comes (Lightning sets `.training` itself), the end of the last
   forward without grad; its collectives stay comm_wait. Without it, a validation loop every N steps
@@ -122,6 +125,7 @@ class _Collective:
     # idle time after a micro-batch, numbered `gap`, data if the next micro-batch's forward ends it.
     phase: str
     gap: int = 0
+    before_input: bool = False  # a next step's data collective before its DataLoader fetch began
 
 
 @dataclass
@@ -147,6 +151,7 @@ class _Step:
     collectives: list[_Collective] = field(default_factory=list)
     gaps: list[tuple[Any, Any, int]] = field(default_factory=list)  # before each later micro-batch: data (its number)
     evals: list[_Eval] = field(default_factory=list)  # before its first forward: other, not data
+    input_start: Any = None  # its training DataLoader's fetch began: before it, the script's own work
     losses: list[LossReading | None] = field(default_factory=list)  # per micro-batch
     samples: int = 0
     synced: bool = True  # the last forward's backward all-reduces (not under no_sync())
@@ -188,6 +193,7 @@ class RankSteps:
         self._between: list[_Collective] = []  # after the open step's optimizer: the next step's data
         self._eval: _Eval | None = None  # the evaluation open now (between steps)
         self._evals: list[_Eval] = []  # closed since the open step's optimizer: the next step's
+        self._input_start: Any = None  # the next step's first DataLoader fetch (input_fetch.py)
         # The idle time after a micro-batch until the next forward (then data) or backward (not data):
         # where it began and its number; and the one open when optimizer.step(closure) began.
         self._gap: tuple[Any, int] | None = None
@@ -220,6 +226,7 @@ class RankSteps:
             self._between.clear()  # before this start: no step's
             self._evals.clear()
             self._eval = None
+            self._input_start = None
 
     # -- the DDP forward ---------------------------------------------------------------
 
@@ -243,11 +250,13 @@ class RankSteps:
             start = self._last_end
             between, self._between = self._between, []
             evals, self._evals = self._evals, []
+            input_start, self._input_start = self._input_start, None
             if start is None:  # what came before the step starts is no step's
                 start = self._optimizer_start if in_optimizer else self.clock.mark()
-                between, evals = [], []
+                between, evals, input_start = [], [], None
             with self._lock:
-                step = self._step = _Step(self._next, start, collectives=between, evals=evals)
+                step = self._step = _Step(self._next, start, collectives=between, evals=evals,
+                                          input_start=input_start)
                 self._next += 1
         else:
             self._data_gap(step, in_optimizer)
@@ -291,6 +300,12 @@ class RankSteps:
             return False
         step = self._step
         return bool(step.optimizers) if step is not None else self._last_end is not None
+
+    def input_begins(self) -> None:
+        """The training DataLoader's __next__ begins (input_fetch.py): the next step's input starts here,
+        unless an evaluation is open (its own batches) or it already started."""
+        if self._input_start is None and self._eval is None and self._between_steps():
+            self._input_start = self.clock.mark()
 
     def eval_begins(self) -> None:
         """model.eval() on the trained model, or a forward without grad: an evaluation, if none is open."""
@@ -376,7 +391,7 @@ class RankSteps:
         if opened is None:
             return
         start, step, phase, gap = opened
-        collective = _Collective(start, self.clock.mark(), phase, gap)
+        collective = _Collective(start, self.clock.mark(), phase, gap, before_input=self._input_start is None)
         if step is None:
             self._between.append(collective)
             if self._eval is not None:
@@ -509,7 +524,12 @@ class RankSteps:
             phase = c.phase if c.phase != "gap" else "data" if c.gap in data_gaps else "other"
             collective[phase] += ms(c.start, c.end)
         evaluation = sum(ms(e.start, e.end) - sum(ms(c.start, c.end) for c in e.waits) for e in step.evals)
-        data = ms(start, first) + sum(ms(a, b) for a, b, _ in step.gaps) - collective["data"] - evaluation
+        own_before_input = 0.0  # after the update, before the DataLoader's fetch: an EMA, a checkpoint, logging
+        if step.input_start is not None:
+            waited = sum(ms(c.start, c.end) for c in step.collectives if c.phase == "data" and c.before_input)
+            own_before_input = max(ms(start, step.input_start) - evaluation - waited, 0.0)
+        data = (ms(start, first) + sum(ms(a, b) for a, b, _ in step.gaps) - collective["data"] - evaluation
+                - own_before_input)
         forward = sum(ms(a, b) for a, b in step.forwards) - collective["forward"]
         bucket_wait = sum(ms(b.last_ready, b.last_done) for b in step.backwards
                           if b.last_ready is not None and b.last_done is not None)
@@ -536,8 +556,12 @@ class RankSteps:
         if not dones and step.collectives:  # FSDP: the last collective, which every rank leaves together
             dones = [step.collectives[-1].end]
         memory, peak = step.memory
-        # An evaluation before the step comes first, then the input: where the timeline draws them.
-        evaluated = (offset(step.evals[0].start), offset(step.evals[-1].end)) if step.evals else (None, 0.0)
+        # The script's own work and an evaluation before the step come first, then the input: where the
+        # timeline draws them.
+        if step.input_start is not None:
+            evaluated = (0.0, offset(step.input_start))
+        else:
+            evaluated = (offset(step.evals[0].start), offset(step.evals[-1].end)) if step.evals else (None, 0.0)
         return RankStepFinished(
             rank=self.rank, step=step.number,
             data_ms=max(data, 0.0), forward_ms=max(forward, 0.0), backward_ms=max(backward, 0.0),
@@ -560,6 +584,7 @@ def _marks(step: _Step) -> list[Any]:
     marks += [m for c in step.collectives for m in (c.start, c.end)]
     marks += [m for since, until, _ in step.gaps for m in (since, until)]
     marks += [m for e in step.evals for m in (e.start, e.end)]
+    marks += [step.input_start] if step.input_start is not None else []
     return marks
 
 

@@ -1,0 +1,38 @@
+"""The training DataLoader's fetch in a DDP rank: where a step's input begins, for the phase clock.
+
+Between one step's update and the next forward a script does its own work too: an EMA of the
+weights, a learning-rate schedule, logging, a checkpoint. That was all the next step's data, and a
+run with a heavy EMA read as waiting for input. torch's DataLoader iterator (`__next__`, which
+Lightning's fetcher, accelerate's and HF Trainer's loaders all call) is wrapped: its first call on
+the training thread after an update tells RankSteps where the input began. Before it is the script's
+own work (other); from it to the forward is data. A script with no DataLoader keeps the whole gap
+as data.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+
+from torch.utils.data import dataloader
+
+from .step_phases import RankSteps
+
+
+def install(current_steps: Callable[[], RankSteps | None]) -> None:
+    """Wrap the DataLoader iterators' __next__ (idempotent)."""
+    iterator = dataloader._BaseDataLoaderIter
+    original = iterator.__next__
+    if getattr(original, "_dptui", False):
+        return
+
+    @functools.wraps(original)
+    def fetch(self):
+        steps = current_steps()
+        if steps is not None and steps.training_thread == threading.get_ident():
+            steps.input_begins()
+        return original(self)
+
+    fetch._dptui = True
+    iterator.__next__ = fetch
