@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from .step_phases import RankSteps
+from .wrapped import wrap
 
 _trained: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # the recording DDPs
 _is_trained: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
@@ -34,30 +35,26 @@ def watch(ddp: nn.Module) -> None:
 
 def install(current_steps: Callable[[], RankSteps | None]) -> None:
     """Wrap nn.Module.train (idempotent)."""
-    original = nn.Module.train
-    if getattr(original, "_dptui", False):
-        return
+    wrap(nn.Module, "train", functools.partial(_train, current_steps))
 
-    @functools.wraps(original)
-    def train(self: nn.Module, mode: bool = True) -> nn.Module:
-        if torch.compiler.is_compiling():  # a compiled region's call: left to dynamo as torch's own
-            return original(self, mode)
-        steps = current_steps()
-        if (steps is None or steps.training_thread != threading.get_ident() or getattr(_inside, "on", False)
-                or not _trained_model(self)):
-            return original(self, mode)
-        if mode:
-            steps.eval_ends()
-        else:
-            steps.eval_begins()
-        _inside.on = True
-        try:
-            return original(self, mode)
-        finally:
-            _inside.on = False
 
-    train._dptui = True
-    nn.Module.train = train
+def _train(current_steps: Callable[[], RankSteps | None], original: Callable[..., nn.Module], module: nn.Module,
+           mode: bool = True) -> nn.Module:
+    if torch.compiler.is_compiling():  # a compiled region's call: left to dynamo as torch's own
+        return original(module, mode)
+    steps = current_steps()
+    if (steps is None or steps.training_thread != threading.get_ident() or getattr(_inside, "on", False)
+            or not _trained_model(module)):
+        return original(module, mode)
+    if mode:
+        steps.eval_ends()
+    else:
+        steps.eval_begins()
+    _inside.on = True
+    try:
+        return original(module, mode)
+    finally:
+        _inside.on = False
 
 
 def _trained_model(module: nn.Module) -> bool:

@@ -16,7 +16,6 @@ imports torch.distributed.fsdp (not before: the import costs half a second a ran
 
 from __future__ import annotations
 
-import functools
 import importlib.abc
 import importlib.util
 import sys
@@ -26,6 +25,7 @@ from collections.abc import Callable
 import torch
 
 from .step_phases import RankSteps, samples_of
+from .wrapped import wrap
 
 PACKAGE = "torch.distributed.fsdp"
 
@@ -79,30 +79,19 @@ def _wrap_fsdp() -> None:
 
     if getattr(FSDPState.init, "_dptui", False):
         return
-    _wrap(FSDPState, "init", _fsdp2_built)
-    _wrap(FSDPState, "_pre_forward", _fsdp2_pre_forward)
-    _wrap(FSDPState, "_post_forward", _fsdp2_post_forward)
+    wrap(FSDPState, "init", _fsdp2_built)
+    wrap(FSDPState, "_pre_forward", _fsdp2_pre_forward)
+    wrap(FSDPState, "_post_forward", _fsdp2_post_forward)
     for name in ("unshard", "wait_for_unshard", "post_backward", "finalize_backward"):
-        _wrap(FSDPParamGroup, name, _collective)
-    _wrap(FullyShardedDataParallel, "__init__", _fsdp1_built)
-    _wrap(FullyShardedDataParallel, "forward", _fsdp1_forward)
+        wrap(FSDPParamGroup, name, _collective)
+    wrap(FullyShardedDataParallel, "__init__", _fsdp1_built)
+    wrap(FullyShardedDataParallel, "forward", _fsdp1_forward)
     # Module functions FSDP1 calls by their global names (its hooks are bound at each forward and
     # backward), in its runtime and where its class imported them.
     for name in ("_pre_forward_unshard", "_pre_backward_hook", "_post_backward_hook", "_post_backward_final_callback"):
-        _wrap(fsdp1, name, _collective)
+        wrap(fsdp1, name, _collective)
         if hasattr(fsdp1_class, name):
             setattr(fsdp1_class, name, getattr(fsdp1, name))
-
-
-def _wrap(owner, name: str, around) -> None:
-    original = getattr(owner, name)
-
-    @functools.wraps(original)
-    def wrapped(*args, **kwargs):
-        return around(original, *args, **kwargs)
-
-    wrapped._dptui = True
-    setattr(owner, name, wrapped)
 
 
 def _opening() -> tuple[RankSteps, bool] | None:

@@ -14,25 +14,21 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from torch.utils.data import dataloader
 
 from .step_phases import RankSteps
+from .wrapped import wrap
 
 
 def install(current_steps: Callable[[], RankSteps | None]) -> None:
     """Wrap the DataLoader iterators' __next__ (idempotent)."""
-    iterator = dataloader._BaseDataLoaderIter
-    original = iterator.__next__
-    if getattr(original, "_dptui", False):
-        return
+    wrap(dataloader._BaseDataLoaderIter, "__next__", functools.partial(_fetch, current_steps))
 
-    @functools.wraps(original)
-    def fetch(self):
-        steps = current_steps()
-        if steps is not None and steps.training_thread == threading.get_ident():
-            steps.input_begins()
-        return original(self)
 
-    fetch._dptui = True
-    iterator.__next__ = fetch
+def _fetch(current_steps: Callable[[], RankSteps | None], original: Callable[..., Any], iterator: Any) -> Any:
+    steps = current_steps()
+    if steps is not None and steps.training_thread == threading.get_ident():
+        steps.input_begins()
+    return original(iterator)
