@@ -41,8 +41,12 @@ def test_a_data_delay_is_found_in_the_data_phase_and_nowhere_else(tmp_path, monk
     after = train(tmp_path, "after", monkeypatch, "data:0.5")  # 15 ms on a full batch
     code, report = compare(capsys, before, after)
     assert code == 0
-    assert {("run", "data", "slower"), ("run", "step", "slower"), ("run", "samples_per_s", "slower")} <= \
-        changed(report), report["rows"]
+    assert {("run", "data", "slower"), ("run", "step", "slower")} <= changed(report), report["rows"]
+    rate = next(r for r in report["rows"] if (r["unit"], r["metric"]) == ("run", "samples_per_s"))
+    assert rate["b"] < rate["a"] / 3, rate
+    # Run A's ~1 ms steps on a busy machine (CI) can drift within the run by as much as the change in
+    # samples/s; compare then rightly withholds that verdict (stats.Change.held_by_drift), and only then.
+    assert rate["verdict"] == "slower" or abs(rate["b"] - rate["a"]) <= rate["drift"], rate
     # The input's delay is most of the step's change; the devices' own times moved by next to nothing.
     assert report["verdict"].startswith("B is slower: step time +"), report["verdict"]
     step = next(r for r in report["rows"] if (r["unit"], r["metric"]) == ("run", "step"))
