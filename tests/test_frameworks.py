@@ -151,14 +151,17 @@ def test_accelerate_launch_under_dptui_does_as_without_it():
     plain = subprocess.run(["accelerate", "launch", *two_cpu_ranks(), ACCELERATE, "none", "6"], capture_output=True,
                            text=True, timeout=300, env=with_python_bin_on_path())
     watched = dptui_run("script", ACCELERATE, "none", "6")
-    assert watched.returncode == 0, watched.stderr
-    # gloo may abort a plain rank in teardown too, after its last line (torch's own, seen in CI): the
-    # run still did what it does.
+    ended = sorted((e["rank"], e["exit_code"], e["script_finished"])
+                   for e in of_type(json_events(watched.stdout), "rank_ended"))
+    assert [(rank, finished) for rank, _, finished in ended] == [(0, True), (1, True)], (ended, watched.stderr)
+    # gloo may abort a rank in interpreter teardown after its script's last line, plain or under dptui
+    # (torch's own; seen in CI on both sides): accelerate launch then exits 1, and dptui, whose status is
+    # the launcher's, exits 1 too, with the rank's end said. Every rank's script still finished.
+    assert (watched.returncode, [code for _, code, _ in ended]) == (0, [0, 0]) or \
+        (watched.returncode == 1 and any(code != 0 for _, code, _ in ended)), (ended, watched.stderr)
     assert plain.returncode == 0 or ("Signal 6 (SIGABRT)" in plain.stderr and plain.stdout.count("done") == 2), \
         plain.stderr
     assert_same_lines(watched, plain, 6)
-    ended = of_type(json_events(watched.stdout), "rank_ended")
-    assert sorted((e["rank"], e["exit_code"], e["script_finished"]) for e in ended) == [(0, 0, True), (1, 0, True)]
 
 
 FSDP = str(FRAMEWORKS / "fsdp_loop.py")
