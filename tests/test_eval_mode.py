@@ -19,6 +19,7 @@ SCRIPT = textwrap.dedent("""
     class Steps:  # what eval_mode tells the rank's clock
         training_thread = threading.get_ident()
         said = []
+        def on_training_thread(self): return threading.get_ident() == self.training_thread
         def eval_begins(self): self.said.append("begins")
         def eval_ends(self): self.said.append("ends")
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import threading
 from collections.abc import Callable
 
 import torch
@@ -57,7 +56,7 @@ def _timed(call: Callable, current_steps: Callable[[], RankSteps | None]) -> Cal
         if torch.compiler.is_compiling():  # first: dynamo traces the call as torch's own
             return call(*args, **kwargs)
         steps = current_steps()
-        if steps is None or steps.training_thread != threading.get_ident() or asynchronous(args, kwargs):
+        if steps is None or not steps.on_training_thread() or asynchronous(args, kwargs):
             return call(*args, **kwargs)
         with steps.collective():
             return call(*args, **kwargs)

@@ -66,7 +66,7 @@ class DistributedDataParallel(TorchDDP, metaclass=_SharedActiveModule):
         if steps is None:
             return super().forward(*inputs, **kwargs)
         if not torch.is_grad_enabled():  # an evaluation's forward, no training step
-            if steps.training_thread != threading.get_ident():
+            if not steps.on_training_thread():
                 return super().forward(*inputs, **kwargs)
             steps.eval_begins()
             try:

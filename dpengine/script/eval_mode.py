@@ -43,7 +43,7 @@ def _train(current_steps: Callable[[], RankSteps | None], original: Callable[...
     if torch.compiler.is_compiling():  # a compiled region's call: left to dynamo as torch's own
         return original(module, mode)
     steps = current_steps()
-    if (steps is None or steps.training_thread != threading.get_ident() or getattr(_inside, "on", False)
+    if (steps is None or not steps.on_training_thread() or getattr(_inside, "on", False)
             or not _trained_model(module)):
         return original(module, mode)
     if mode:

@@ -102,7 +102,7 @@ def _opening() -> tuple[RankSteps, bool] | None:
         return None
     if torch.is_grad_enabled():
         return steps, True
-    return (steps, False) if steps.training_thread == threading.get_ident() else None
+    return (steps, False) if steps.on_training_thread() else None
 
 
 def _open(steps: RankSteps, training: bool, by: object, args, kwargs, synced: Callable[[], bool]) -> None:

@@ -12,7 +12,6 @@ as data.
 from __future__ import annotations
 
 import functools
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +28,6 @@ def install(current_steps: Callable[[], RankSteps | None]) -> None:
 
 def _fetch(current_steps: Callable[[], RankSteps | None], original: Callable[..., Any], iterator: Any) -> Any:
     steps = current_steps()
-    if steps is not None and steps.training_thread == threading.get_ident():
+    if steps is not None and steps.on_training_thread():
         steps.input_begins()
     return original(iterator)

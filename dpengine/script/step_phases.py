@@ -213,6 +213,10 @@ class RankSteps:
     def in_backward(self) -> bool:
         return self._backward is not None
 
+    def on_training_thread(self) -> bool:
+        """The caller runs on the thread of the steps (once the first forward has named it)."""
+        return self.training_thread == threading.get_ident()
+
     @property
     def started(self) -> int:
         """How many steps have begun (at their first forward)."""
@@ -365,9 +369,9 @@ class RankSteps:
             phase = "forward"
         elif self._optimizer_start is not None:
             phase = "optimizer"
-        elif step is None or step.optimizers:  # the next step's, if it starts where this one ends
-            if step is None and self._last_end is None:
-                return False
+        elif step is None and self._last_end is None:  # before the first step
+            return False
+        elif self._between_steps():  # the next step's data
             step, phase = None, "data"
         elif self._gap is not None:
             phase, gap = "gap", self._gap[1]
@@ -559,9 +563,11 @@ class RankSteps:
         # The script's own work and an evaluation before the step come first, then the input: where the
         # timeline draws them.
         if step.input_start is not None:
-            evaluated = (0.0, offset(step.input_start))
+            other_start, data_start = 0.0, offset(step.input_start)
+        elif step.evals:
+            other_start, data_start = offset(step.evals[0].start), offset(step.evals[-1].end)
         else:
-            evaluated = (offset(step.evals[0].start), offset(step.evals[-1].end)) if step.evals else (None, 0.0)
+            other_start, data_start = None, 0.0
         return RankStepFinished(
             rank=self.rank, step=step.number,
             data_ms=max(data, 0.0), forward_ms=max(forward, 0.0), backward_ms=max(backward, 0.0),
@@ -569,7 +575,7 @@ class RankSteps:
             optimizer_ms=max(optimizer, 0.0), other_ms=max(total - data - forward - backward - comm_wait - optimizer, 0.0),
             total_ms=total, eval_ms=max(evaluation, 0.0), loss=_loss_value(step.losses), samples=step.samples,
             micro_batches=len(step.forwards), memory_bytes=memory, peak_memory_bytes=peak,
-            data_start_ms=evaluated[1], other_start_ms=evaluated[0],
+            data_start_ms=data_start, other_start_ms=other_start,
             forward_start_ms=offset(step.forwards[0][0] if step.forwards else None),
             backward_start_ms=offset(step.backwards[0].start if step.backwards else None),
             comm_wait_start_ms=offset(longest_wait),
