@@ -4,6 +4,8 @@ a pause before step N."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -84,6 +86,27 @@ def test_a_step_is_cut_into_its_phases(steps, clock, sent):
     assert second.forward_start_ms == pytest.approx(30) and second.comm_wait_start_ms == pytest.approx(60)
     assert second.allreduce_end_ms == pytest.approx(75) and second.optimizer_start_ms == pytest.approx(77)
     assert (second.memory_bytes, second.peak_memory_bytes, second.samples, second.loss) == (100, 200, 8, 1.0)
+
+
+def test_a_loss_that_requires_grad_is_read_without_a_warning_in_the_scripts_stderr(steps, clock, sent):
+    # dptui's own rank loop hands the graph's loss; torch warns (once per process, unless
+    # warn_always) when such a tensor is turned into a float.
+    weight = torch.tensor(2.0, requires_grad=True)
+    warn_always = torch.is_warn_always_enabled()
+    torch.set_warn_always(True)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            steps.forward_begins(8, synced=True)
+            steps.forward_ends()
+            steps.backward_begins(weight * 3)
+            steps.backward_ends()
+            optimizer_step(steps, clock)
+            steps.finish()
+    finally:
+        torch.set_warn_always(warn_always)
+    assert [str(w.message) for w in caught] == []
+    assert sent[0].loss == pytest.approx(6.0)
 
 
 def test_no_sync_micro_batches_are_one_step(steps, clock, sent):

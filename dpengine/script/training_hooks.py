@@ -84,6 +84,9 @@ class LossReading:
 
     def __init__(self, loss: torch.Tensor) -> None:
         self._copy = self._event = self._value = None
+        # A caller may hand the graph's own tensor (dptui's rank loop does): reading it must not
+        # warn into the script's stderr about converting a tensor that requires grad.
+        loss = loss.detach()
         if loss.device.type == "cuda":
             self._copy = torch.empty((), dtype=loss.dtype, pin_memory=True)
             self._copy.copy_(loss.reshape(()), non_blocking=True)
