@@ -48,6 +48,9 @@ class StepRecord:
     gather_ms: float
     total_ms: float  # the whole forward, as the caller saw it
     backward_ms: float | None = None  # wall time of the backward over all replicas
+    # Whether autograd was on (torch.is_grad_enabled()) when the forward was called: off under
+    # torch.no_grad() and torch.inference_mode(), an evaluation's or inference's forward.
+    grad: bool = True
     split: str = "even"  # how the batch was cut: even, sizes, weights or auto
     split_weights: tuple[float, ...] = ()  # per device slot, summing to 1 (weights, auto)
     balanced: bool = False  # the auto-balancer chose this split
@@ -69,6 +72,10 @@ class StepRecord:
     # Where the first of those optimizer steps began, in ms from the DataParallel forward's call, on
     # the host clock (the timeline draws it there); None where no optimizer stepped, or not recorded.
     optimizer_start_ms: float | None = None
+    # Forwards without grad of this DataParallel since its previous step (an evaluation): from the
+    # first's start to the last's return, on the host clock; counted in the step's other, not its
+    # data. None where there were none, or not recorded.
+    eval_ms: float | None = None
 
     @property
     def chunk_sizes(self) -> tuple[int, ...]:

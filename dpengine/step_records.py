@@ -196,6 +196,7 @@ class PendingStep:
                  src: torch.device | None, phase_points: list[Any] | None) -> None:
         self.step = 0  # numbered when its forward has run (StepRecords.begin)
         self.thread = threading.get_ident()  # the thread whose forward it is, and whose backward it awaits
+        self.grad = torch.is_grad_enabled()  # the caller's mode (thread-local), made on its thread
         self.probes = probes
         self.dim = dim
         self.cuda = cuda
@@ -251,7 +252,7 @@ class PendingStep:
             step=self.step, dim=self.dim, batch_size=f["batch_size"],
             input_shapes=f["input_shapes"], output_shapes=f["output_shapes"], replicas=replicas,
             scatter_ms=scatter, replicate_ms=replicate_, apply_ms=apply, gather_ms=gather_,
-            total_ms=total, backward_ms=backward_ms,
+            total_ms=total, backward_ms=backward_ms, grad=self.grad,
             split=split, split_weights=weights, balanced=balanced,
             scatter_start_ms=starts[0], replicate_start_ms=starts[1], apply_start_ms=starts[2],
             gather_start_ms=starts[3], backward_start_ms=backward_start,

@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 from ui_fakes import step_event
 
+from dpengine.compare.figures import RunFigures
 from dpengine.eventlog.events import RunConfig, RunStarted, StepFinished
 from dpengine.eventlog.reader import read_event_log
 from dpengine.eventlog.summary import RunSummary
+from tui.state import RunView
 from tui.view.cli import summary_lines
 
 SCRIPTS = Path(__file__).parent / "fixtures" / "scripts"
@@ -49,6 +51,54 @@ def test_an_input_bound_script_s_summary_says_so_with_its_mean_phases():
                          f"backward 20.0 · optimizer 3.00 · other 1.00 ms")
     # The verdict begins at the 15th input-bound step of a window (step 26) and holds to the end.
     assert lines[-1] == "input-bound in 16 of 40 steps, from step 26: data 50.0 ms/step of 86.0 ms"
+
+
+def evaluation_forward(step: int) -> StepFinished:
+    """A forward without grad (model.eval() and torch.no_grad()): no loss, no data time."""
+    event = script_step(step, None)
+    record = dataclasses.replace(event.record, grad=False, backward_ms=None, backward_start_ms=None, optimizer_ms=None)
+    return dataclasses.replace(event, record=record, loss=float("nan"), samples_per_s=1e6)
+
+
+def with_evaluation() -> list[StepFinished]:
+    """Steps 1-3, an evaluation of two forwards (4, 5), then step 6, which counts 40 ms of it."""
+    steps = [script_step(1, None), script_step(2, 4.0), script_step(3, 4.0),
+             evaluation_forward(4), evaluation_forward(5), script_step(6, 4.0)]
+    steps[-1] = dataclasses.replace(steps[-1], record=dataclasses.replace(steps[-1].record, eval_ms=40.0))
+    return steps
+
+
+def test_an_evaluation_s_forwards_are_no_steps_and_its_time_is_other_in_the_summary():
+    lines = summary_lines(summary_of(with_evaluation()))
+    assert ": 4 steps, 2 forwards without grad, " in lines[0]
+    assert lines[1].split()[:2] == ["device", "chunks"] and lines[2].split()[1] == "6"  # every forward ran on it
+    other = (1.0 + 1.0 + 41.0) / 3  # steps 2, 3 and 6
+    assert lines[-3] == (f"phases per step, means over 3 steps: data 4.00 · forward 12.0 · "
+                         f"backward 20.0 · optimizer 3.00 · other {other:.1f} ms")
+    assert lines[-1] == f"other includes evaluation between steps (forwards without grad): {40 / 3:.1f} ms/step"
+
+
+def test_an_evaluation_s_forwards_leave_the_loss_throughput_and_phases_shown_as_the_last_step_s():
+    view = RunView(lambda: 0.0)
+    steps = with_evaluation()
+    for event in [summary_of([]).started, *steps[:3]]:
+        view.feed(event)
+    before = view.snapshot()
+    for event in steps[3:5]:
+        view.feed(event)
+    during = view.snapshot()
+    assert during.loss_history == before.loss_history and during.throughput_history == before.throughput_history
+    assert during.samples_per_s == before.samples_per_s and during.step_phases == before.step_phases
+    assert during.step == 5  # the panels and the timeline show the forward that ran
+    view.feed(steps[5])
+    assert view.snapshot().step_phases.other_ms == pytest.approx(41.0)
+
+
+def test_compare_counts_a_script_s_steps_not_its_evaluation_s_forwards():
+    figures = RunFigures().feed_all([summary_of([]).started, *with_evaluation()])
+    assert list(figures.run["step"].steps) == [1, 2, 3, 6] and figures.steps == 4
+    assert list(figures.units["cpu:0"].series["rows"].steps) == [1, 2, 3, 6]
+    assert max(figures.run["samples_per_s"].values) < 1e6  # not the evaluation forwards' rate
 
 
 def test_a_compute_bound_script_s_summary_says_it_was_not_input_bound():

@@ -108,9 +108,14 @@ def test_forward_ms_is_measured_on_every_step_not_only_the_first(make_dp) -> Non
         record = dp.last_step
         assert record.step == step
         assert all(r.forward_ms >= _Sleepy.SECONDS * 1000 and r.forward_timed for r in record.replicas), record
+    assert record.grad
     with torch.no_grad():
         dp(x)
     assert all(r.forward_ms >= _Sleepy.SECONDS * 1000 for r in dp.last_step.replicas)
+    assert not dp.last_step.grad  # an evaluation's forward, told apart from a step's
+    with torch.inference_mode():
+        dp(x)
+    assert not dp.last_step.grad and dp.last_step.step == 5
 
 
 class _SlowBackwardForRows(torch.autograd.Function):

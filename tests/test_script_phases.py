@@ -1,5 +1,6 @@
 """`dptui run` on a DataParallel script: each step carries the loss backward was called on (unscaled
-under a GradScaler) and the DDP ranks' phases around it, input wait and optimizer time (issues 18.6, 21)."""
+under a GradScaler) and the DDP ranks' phases around it, input wait and optimizer time (issues 18.6, 21);
+an evaluation's forwards (without grad) are no steps, and their span is the next step's other."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from dpengine.eventlog.reader import decode_event
+from dpengine.eventlog.summary import RunSummary
+from tui.view.cli import summary_lines
 
 SCRIPT = Path(__file__).parent / "fixtures" / "scripts" / "loss_and_phases.py"
 
@@ -25,7 +30,9 @@ def test_steps_carry_the_loss_the_input_wait_and_the_optimizer_time():
     by_instance: dict[str, list[dict]] = {}
     for step in steps:
         by_instance.setdefault(step["instance"], []).append(step)
-    model, generator, discriminator = by_instance.values()  # in the order they were built
+    model_forwards, generator, discriminator = by_instance.values()  # in the order they were built
+    model = [s for s in model_forwards if s["engine"]["grad"]]
+    evaluation = [s for s in model_forwards if not s["engine"]["grad"]]
     losses = [float(value) for _, who, value in printed if who == "model"]
     assert [s["loss"] for s in model] == pytest.approx(losses)  # unscaled: GradScaler's 256 is not in it
     (gan,) = [float(value) for _, who, value in printed if who == "gan"]
@@ -40,3 +47,17 @@ def test_steps_carry_the_loss_the_input_wait_and_the_optimizer_time():
     assert generator[0]["engine"]["optimizer_start_ms"] is None
     finished = [e for e in events if e["type"] == "run_finished"]
     assert finished and finished[0]["final_loss"] == pytest.approx(gan)
+    # The evaluation after step 3: its two forwards are recorded, as no step's; the step after it
+    # counts their span (EVAL_S between them) as evaluation, in its other, not as its data.
+    assert [s["batch_size"] for s in evaluation] == [16, 16] and len(model) == 5
+    assert all(s["loss"] is None and s["engine"]["data_ms"] is None for s in evaluation)
+    after = model[3]["engine"]
+    assert after["eval_ms"] >= 100 and 30 <= after["data_ms"] < 100, after
+    assert all(s["engine"]["eval_ms"] is None for s in model if s is not model[3])
+    assert finished[0]["steps"] == 5 + 2  # the model's and the GAN's, not the evaluation's forwards
+    summary = RunSummary()
+    for event in events:
+        summary.feed(decode_event(event))
+    said = "\n".join(summary_lines(summary))  # as `dptui view --headless` and the run's end say it
+    assert "5 steps, 2 forwards without grad, finished" in said, said
+    assert "other includes evaluation between steps (forwards without grad)" in said

@@ -106,6 +106,17 @@ def test_a_script_s_step_has_its_data_wait_before_it_and_its_optimizer_after_its
     assert "data 30.0 ms" in bars and "forward 8.0 ms" in bars and bars.rstrip().endswith("opt")
 
 
+def test_an_evaluation_before_a_script_s_step_is_drawn_as_other_before_its_data_wait():
+    record = dataclasses.replace(unbalanced_step(), data_ms=30.0, eval_ms=50.0)
+    timeline = dp_timeline(7, record)
+    row = spans(timeline, 0)
+    assert [s.kind for s in timeline.rows[0].spans][:3] == ["other", "data", "scatter"]
+    assert (row["other"].start_ms, row["other"].duration_ms, row["other"].label) == (0.0, 50.0, "other 50.0 ms")
+    assert (row["data"].start_ms, row["data"].duration_ms) == (50.0, 30.0)
+    assert row["forward"].start_ms == pytest.approx(81.7)
+    assert timeline.span_ms == pytest.approx(33.7 + 80.0)
+
+
 def test_a_script_s_optimizer_without_its_start_follows_the_backward_and_is_approximate():
     record = dataclasses.replace(unbalanced_step(), data_ms=2.0, optimizer_ms=4.0)
     timeline = dp_timeline(1, record)

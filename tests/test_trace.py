@@ -141,6 +141,22 @@ def test_start_times_where_the_log_has_them_and_no_approximate_mark():
     assert gather["ts"] == pytest.approx(instants[1] + 0.85 * 1000)
 
 
+def test_an_evaluation_before_a_script_s_step_is_other_on_its_track_before_the_data_wait():
+    events = demo_events(DEVICES, epochs=1)
+    steps = [with_starts(e) for e in events if isinstance(e, StepFinished)]
+    steps[2]["engine"].update(data_ms=3.0, eval_ms=40.0)
+    trace = trace_of([to_json_dict(events[0]), *steps])
+    tracks = {name: tid for (pid, tid), name in named(trace, "thread_name").items()}
+    instants = [e["ts"] for e in trace if e["ph"] == "i"]
+    (other,) = [e for e in complete(trace, "other") if e["args"]["step"] == 3]
+    (data,) = [e for e in complete(trace, "data") if e["args"]["step"] == 3]
+    assert other["tid"] == data["tid"] == tracks["script"]
+    assert (other["ts"], other["dur"]) == pytest.approx((instants[2], 40_000))
+    assert (data["ts"], data["dur"]) == pytest.approx((instants[2] + 40_000, 3000))
+    (gather,) = [e for e in complete(trace, "gather") if e["args"]["step"] == 3]
+    assert gather["ts"] == pytest.approx(instants[2] + (43.0 + 0.85) * 1000)
+
+
 def test_a_script_s_data_wait_and_optimizer_have_a_track_of_their_own():
     # dptui run: 3 ms of input wait before each step but the first, 0.5 ms of optimizer from 2.5 ms.
     events = demo_events(DEVICES, epochs=1)

@@ -141,9 +141,11 @@ def dp_timeline(step: int, record: StepRecord) -> Timeline:
     devices = {r.index: r.device for r in record.replicas}
     durations = {r.index: r.forward_ms for r in record.replicas}
 
-    # The script's phases (`dptui run`): its wait for input before the step, its optimizer after it.
+    # The script's phases (`dptui run`): an evaluation and its wait for input before the step, its
+    # optimizer after it.
     data, optimizer = _recorded(record.data_ms), _recorded(record.optimizer_ms)
-    lead = data or 0.0  # the step's own phases start after the data wait
+    evaluation = _recorded(record.eval_ms) or 0.0
+    lead = evaluation + (data or 0.0)  # the step's own phases start after those
     optimizer_start = start(record.optimizer_start_ms, span) if optimizer is not None else None
 
     rows = []
@@ -164,8 +166,10 @@ def dp_timeline(step: int, record: StepRecord) -> Timeline:
         if optimizer_start is not None:
             spans.append(_phase("optimizer", optimizer_start, optimizer, "opt", shared=True))
         if lead:
-            spans = [_phase("data", 0.0, lead, shared=True),
-                     *(dataclasses.replace(s, start_ms=s.start_ms + lead) for s in spans)]
+            before = [_phase("other", 0.0, evaluation, "eval", shared=True)] if evaluation else []
+            if data:
+                before.append(_phase("data", evaluation, data, shared=True))
+            spans = [*before, *(dataclasses.replace(s, start_ms=s.start_ms + lead) for s in spans)]
         rows.append(Row(replica.device, tuple(spans)))
     return Timeline(step, tuple(rows), _span_of(rows, span + lead), not exact)
 

@@ -196,6 +196,8 @@ class RunFigures:
 
     def _dp_step(self, event: StepFinished) -> None:
         record, step = event.record, event.step
+        if not record.grad:
+            return  # an evaluation's forward: the runs compare their training steps
         phases = dp_step_phases(step, record)
         if phases is not None:
             step_ms = phases.total_ms

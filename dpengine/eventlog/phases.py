@@ -63,13 +63,15 @@ def rank_step_phases(step: RankStepFinished) -> StepPhases:
 
 def dp_step_phases(step: int, record: StepRecord) -> StepPhases | None:
     """A DataParallel step's phases; None where the script's were not recorded (outside `dptui run`,
-    or its DataParallel's first step, which has no previous step to wait since)."""
+    or its DataParallel's first step, which has no previous step to wait since) and for a forward
+    without grad (an evaluation's: no step)."""
     data = _finite(record.data_ms)
-    if data is None:
+    if data is None or not record.grad:
         return None
     forward = _finite(record.total_ms) or 0.0
     backward_start = _finite(record.backward_start_ms)
     other = max(backward_start - forward, 0.0) if backward_start is not None else 0.0
+    other += _finite(record.eval_ms) or 0.0  # an evaluation before it: not input (dp_phases.py)
     return StepPhases(step, data_ms=data, forward_ms=forward, backward_ms=_finite(record.backward_ms) or 0.0,
                       optimizer_ms=_finite(record.optimizer_ms) or 0.0, other_ms=other)
 

@@ -72,6 +72,7 @@ class DpPhaseFigures:
     input_bound_since: int | None  # the step the first verdict began at
     input_bound_data_ms: float | None  # mean data ms over those steps
     input_bound_step_ms: float | None  # mean step ms over them
+    eval_ms: float | None = None  # of other: forwards without grad before the steps, mean per step; None: none
 
 
 class _Mean:
@@ -101,11 +102,12 @@ class _Device:
 
 
 class _DpPhaseSums:
-    __slots__ = ("steps", "phases", "watch", "bound_steps", "bound_since", "bound_data", "bound_step")
+    __slots__ = ("steps", "phases", "evaluation", "watch", "bound_steps", "bound_since", "bound_data", "bound_step")
 
     def __init__(self) -> None:
         self.steps = 0
         self.phases = {phase: _Mean() for phase in WORK_PHASES}
+        self.evaluation = _Mean()
         self.watch = InputBoundWatch()
         self.bound_steps = 0
         self.bound_since: int | None = None
@@ -118,6 +120,7 @@ class _DpPhaseSums:
         self.steps += 1
         for phase, value in zip(WORK_PHASES, phases.ms):
             self.phases[phase].add(value)
+        self.evaluation.add(record.eval_ms or 0.0)
         if self.watch.feed(phases) is not None:
             self.bound_steps += 1
             self.bound_since = self.watch.verdict.since if self.bound_since is None else self.bound_since
@@ -149,7 +152,8 @@ class RunSummary:
     def __init__(self) -> None:
         self.started: RunStarted | None = None  # the first run_started
         self.end: RunFinished | RunFailed | None = None  # the last end
-        self.steps = 0
+        self.steps = 0  # DataParallel steps: forwards with grad
+        self.forwards_without_grad = 0  # and those without (an evaluation's, inference)
         self._devices: dict[str, _Device] = {}
         self._following: str | None = None  # `dptui run`: the instance the panels follow
         self._dp_phases = _DpPhaseSums()
@@ -172,8 +176,11 @@ class RunSummary:
         elif isinstance(event, StepFinished):
             if event.instance is not None and event.instance != self._following:
                 return  # another DataParallel of the script than the one its run_started names
-            self.steps += 1
-            for replica in event.record.replicas:
+            if event.record.grad:
+                self.steps += 1
+            else:
+                self.forwards_without_grad += 1
+            for replica in event.record.replicas:  # what each replica did: every forward
                 self._add(replica)
             self._dp_phases.add(event.step, event.record)
         elif isinstance(event, RunStarted):
@@ -253,7 +260,8 @@ class RunSummary:
         return DpPhaseFigures(
             steps=sums.steps, phase_ms={phase: sums.phases[phase].value for phase in WORK_PHASES},
             input_bound_steps=sums.bound_steps, input_bound_since=sums.bound_since,
-            input_bound_data_ms=sums.bound_data.value, input_bound_step_ms=sums.bound_step.value)
+            input_bound_data_ms=sums.bound_data.value, input_bound_step_ms=sums.bound_step.value,
+            eval_ms=sums.evaluation.value or None)
 
     def devices(self) -> tuple[DeviceSummary, ...]:
         """One summary per device that ran a replica, in the order they first appear."""
@@ -332,6 +340,8 @@ def dp_phase_lines(figures: DpPhaseFigures) -> list[str]:
                      f"data {data} ms/step of {step} ms")
     else:
         lines.append("input-bound: no")
+    if figures.eval_ms:
+        lines.append(f"other includes evaluation between steps (forwards without grad): {ms(figures.eval_ms)} ms/step")
     return lines
 
 

@@ -7,6 +7,9 @@ A DataParallel step stays one forward and its backward, as the engine records it
   every DataParallel whose backward ran in that call (a GAN's discriminator and generator both).
 A step's end is its backward's end, or the last optimizer step after it; where the first optimizer
 step began (optimizer_start_ms, for the step timeline) is on the host clock, from the forward's start.
+A forward without grad (torch.no_grad, inference_mode: an evaluation) is recorded, with grad False,
+but is no step's input: from the first such forward's start to the last one's return since a step
+ended is the next step's eval_ms, taken out of its data_ms (its other, see eventlog/phases.py).
 The same hooks as a DDP rank's phase clock (training_hooks.py) feed it. A finished step is held until its optimizer time
 is known: until the next DataParallel forward begins, or the script ends; or, when neither comes,
 HELD_AT_MOST_S after it was held with no optimizer step running: a script killed then (SIGKILL, the
@@ -40,6 +43,8 @@ class DpPhases:
         self._optimizer: dict[Key, float] = {}
         self._began: dict[Key, float] = {}  # when each step's forward began
         self._optimizer_start: dict[Key, float] = {}  # its first optimizer step's, in ms from that
+        self._evaluation: dict[str, list[float]] = {}  # per instance: [first start, last return] since its last step ended
+        self._eval_ms: dict[Key, float] = {}
         self._loss: dict[Key, LossReading] = {}
         self._after_backward: dict[str, int] = {}  # instance -> its step whose backward is done, before a forward
         self._in_backward: list[Key] = []  # steps whose backward ran in the backward call in progress
@@ -51,15 +56,36 @@ class DpPhases:
 
     # -- swap.DataParallel -------------------------------------------------------------
 
-    def forward_begins(self, instance: str, step: int) -> None:
-        """`instance` begins its step `step` (after release(), and a pause): its data time is known."""
+    def forward_begins(self, instance: str, step: int, grad: bool = True) -> None:
+        """`instance` begins its step `step` (after release(), and a pause): its data time is known.
+        `grad`: whether autograd is on; a forward without it is an evaluation's, not a step's input."""
         now = time.perf_counter()
         with self._lock:
             self._after_backward.clear()
-            self._began[instance, step] = now
             ended = self._ended.get(instance)
-            if ended is not None:
-                self._data[instance, step] = (now - ended) * 1000.0
+            if not grad:
+                span = self._evaluation.get(instance)
+                if span is None:
+                    self._evaluation[instance] = [now, now]
+                return
+            self._began[instance, step] = now
+            evaluation = self._evaluation.pop(instance, None)
+            if ended is None:
+                return
+            eval_ms = (evaluation[1] - evaluation[0]) * 1000.0 if evaluation is not None else 0.0
+            if eval_ms > 0.0:
+                self._eval_ms[instance, step] = eval_ms
+            self._data[instance, step] = (now - ended) * 1000.0 - eval_ms
+
+    def forward_returns(self, instance: str, grad: bool) -> None:
+        """`instance`'s forward returned (raised too): an evaluation's last forward so far ends here."""
+        if grad:
+            return
+        now = time.perf_counter()
+        with self._lock:
+            span = self._evaluation.get(instance)
+            if span is not None:
+                span[1] = now
 
     def backward_done(self, instance: str, step: int) -> None:
         """The engine: the step's backward completed (inside the backward call, on an autograd thread)."""
@@ -90,7 +116,8 @@ class DpPhases:
                 self._began.pop(key, None)
                 record = dataclasses.replace(record, data_ms=self._data.pop(key, None),
                                              optimizer_ms=self._optimizer.pop(key, None),
-                                             optimizer_start_ms=self._optimizer_start.pop(key, None))
+                                             optimizer_start_ms=self._optimizer_start.pop(key, None),
+                                             eval_ms=self._eval_ms.pop(key, None))
                 out.append((instance, record, reading))
             self._held = keep
         for instance, record, reading in out:

@@ -35,7 +35,7 @@ class ParentLink(QueuedSender):
         self._control = ChannelFd(control_fd)
         self._posted: dict[str, int] = {}  # steps posted per instance: the `step` number each is sent with
         self._started = time.monotonic()
-        self._last_finished: dict[str, float] = {}
+        self._last_finished: dict[tuple[str, bool], float] = {}  # (instance, grad) -> its last post
         self._announced: set[str] = set()
         self._threads_sent: dict[str, dict[str, int]] = {}
         self._thread_sources: dict[str, weakref.WeakMethod] = {}
@@ -107,8 +107,10 @@ class ParentLink(QueuedSender):
         return lines
 
     def _step_line(self, instance: str, number: int, record: StepRecord, at: float, loss: float | None) -> str:
-        previous = self._last_finished.get(instance)
-        self._last_finished[instance] = at
+        # A step's rate is from the previous step, an evaluation's forward's from the previous such
+        # forward: one does not shorten the other's interval.
+        previous = self._last_finished.get((instance, record.grad))
+        self._last_finished[instance, record.grad] = at
         if previous is not None and at > previous:
             rate = record.batch_size / (at - previous)  # the script's whole step, data loading included
         else:  # the first step: what the engine itself took

@@ -115,13 +115,19 @@ class DataParallel(EngineDataParallel):
 
     @extends_forward
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        if getattr(_gating, "dp", None) is not self:  # an override calling super().forward() passed it
-            self._dptui_gate()
-        return super().forward(*inputs, **kwargs)
+        if getattr(_gating, "dp", None) is self:  # an override calling super().forward() passed the gate
+            return super().forward(*inputs, **kwargs)
+        grad = self._dptui_gate()
+        try:
+            return super().forward(*inputs, **kwargs)
+        finally:
+            self._dptui_returned(grad)
 
-    def _dptui_gate(self) -> None:
-        """Where a pause takes effect and device changes apply: before each forward."""
+    def _dptui_gate(self) -> bool:
+        """Where a pause takes effect and device changes apply: before each forward. Whether
+        autograd is on for it."""
         link, phases = _link, _phases
+        grad = torch.is_grad_enabled()
         if link is not None:
             if phases is not None:
                 phases.release()  # a forward begins: the optimizer time of the steps held is known
@@ -129,7 +135,13 @@ class DataParallel(EngineDataParallel):
             if link.control_version != self._dptui_control:
                 self._follow_devices(link)
             if phases is not None:
-                phases.forward_begins(self._dptui_key, self.step_count + 1)
+                phases.forward_begins(self._dptui_key, self.step_count + 1, grad)
+        return grad
+
+    def _dptui_returned(self, grad: bool) -> None:
+        phases, key = _phases, self.__dict__.get("_dptui_key")
+        if phases is not None and key is not None:
+            phases.forward_returns(key, grad)
 
     def _follow_devices(self, link: ParentLink) -> None:
         object.__setattr__(self, "_dptui_control", link.control_version)
@@ -161,12 +173,13 @@ def _gated(forward):
         outer = getattr(_gating, "dp", None)
         if outer is self:
             return forward(self, *inputs, **kwargs)
-        self._dptui_gate()
+        grad = self._dptui_gate()
         _gating.dp = self
         try:
             return forward(self, *inputs, **kwargs)
         finally:
             _gating.dp = outer
+            self._dptui_returned(grad)
 
     gated._dptui_gated = True
     return gated

@@ -89,7 +89,8 @@ def run_headless(run: ScriptRun | DdpRun, json_out: bool, stop: Callable[[int], 
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-    if summary is not None and (summary.steps or summary.ranks()):  # none: the notice said why
+    # None of them: the notice said why.
+    if summary is not None and (summary.steps or summary.forwards_without_grad or summary.ranks()):
         from ..view.cli import summary_lines
 
         advice = figures.advice_lines() if figures is not None else []

@@ -324,8 +324,9 @@ class ScriptRun(Publisher):
             self._devices = event.record.devices
             self._config = self._run_config(event.batch_size)
             self._publish(RunStarted(self._config))
-        self._steps += 1
-        self._samples += event.batch_size
+        if event.record.grad:  # an evaluation's forward is no step and trains no sample
+            self._steps += 1
+            self._samples += event.batch_size
         if math.isfinite(event.loss):
             self._last_loss = event.loss  # the script's last loss: the run's final loss
         self._publish(event)

@@ -80,8 +80,12 @@ def summary_lines(summary: RunSummary, skipped: int = 0) -> list[str]:
         outcome = "not finished"
     if skipped:
         outcome += f", {skipped} line{'' if skipped == 1 else 's'} skipped"
+    counted = f"{steps} step{'' if steps == 1 else 's'}"
     if ranks:  # a DDP run: a row per rank, and the verdicts
-        return [f"{head}: {steps} step{'' if steps == 1 else 's'}, {outcome}", *rank_lines(summary)]
+        return [f"{head}: {counted}, {outcome}", *rank_lines(summary)]
+    if summary.forwards_without_grad:  # a DataParallel's evaluation or inference: no steps, yet forwards
+        n = summary.forwards_without_grad
+        counted += f", {n} forward{'' if n == 1 else 's'} without grad"
     rows = [("device", "chunks", "rows", "forward ms", "backward ms", "peak memory")]
     for s in summary.devices():
         rows.append((s.device, str(s.chunks), str(s.rows), fmt.ms(s.forward_ms), fmt.ms(s.backward_ms),
@@ -92,7 +96,7 @@ def summary_lines(summary: RunSummary, skipped: int = 0) -> list[str]:
         for row in rows
     ]
     phases = summary.dp_phases()  # a `dptui run` script's: its data and optimizer time too
-    return [f"{head}: {steps} step{'' if steps == 1 else 's'}, {outcome}", *table,
+    return [f"{head}: {counted}, {outcome}", *table,
             *(dp_phase_lines(phases) if phases is not None else ())]
 
 
