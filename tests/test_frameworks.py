@@ -94,10 +94,14 @@ def test_lightning_and_accelerate_step_every_rank_with_disjoint_phases_and_the_r
     assert_steps_phases_and_verdict(events, 22, phase)
     assert not unexpected_notices(events), unexpected_notices(events)
     assert_validation_is_evaluation_not_data(events)
+    if script == LIGHTNING:  # its on_validation_end (a checkpoint's place) was the next step's data
+        validated = [s for s in of_type(events, "rank_step") if s["step"] and s["step"] % VALIDATE_EVERY == 0]
+        assert all(s["other_ms"] - s["eval_ms"] > 0.8 * AFTER_VALIDATION_MS for s in validated), validated
 
 
 VALIDATE_EVERY = 5
 VALIDATION_MS = 3 * 10.0  # the fixtures' validation loops: 3 batches of 10 ms
+AFTER_VALIDATION_MS = 30.0  # lightning_fit.py's on_validation_end
 
 
 def assert_validation_is_evaluation_not_data(events: list[dict]) -> None:

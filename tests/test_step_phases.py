@@ -414,6 +414,32 @@ def test_without_model_train_an_evaluation_ends_at_its_last_forward(steps, clock
     assert second.comm_wait_ms == pytest.approx(3) and second.total_ms == pytest.approx(30 + 3 + 7 + 35)
 
 
+def test_without_model_train_the_work_between_the_last_forward_and_the_training_fetch_is_other(steps, clock, sent):
+    # Lightning: its validation loop's loader runs out (StopIteration), then ModelCheckpoint saves and
+    # the logs are written, then the training fetch. The save was the next step's data.
+    micro_batch(steps, clock)
+    optimizer_step(steps, clock)
+    steps.eval_begins()
+    for _ in range(2):
+        steps.input_begins()  # the validation loader's batch
+        clock.now += 0.005
+        clock.now += 0.010
+        steps.eval_forward_ends()
+    steps.input_begins()
+    steps.input_exhausted()  # its loader ran out: no input began there
+    clock.now += 0.030  # the checkpoint
+    steps.input_begins()  # the training loader's
+    clock.now += 0.004
+    collective(steps, clock, 0.002)  # Lightning's broadcast after the fetch: the input's
+    micro_batch(steps, clock)
+    optimizer_step(steps, clock)
+    steps.finish()
+    second = sent[1]
+    assert second.eval_ms == pytest.approx(30) and second.other_ms == pytest.approx(60)
+    assert second.data_ms == pytest.approx(4) and second.comm_wait_ms == pytest.approx(2)
+    assert (second.other_start_ms, second.data_start_ms) == pytest.approx((0, 60))
+
+
 def test_an_evaluation_without_forwards_or_train_call_lasts_to_the_next_step(steps, clock, sent):
     # model.eval() and forwards the clock cannot see (HF Trainer evaluates the module without its DDP),
     # and no model.train() before the next forward: all of it is the evaluation's.

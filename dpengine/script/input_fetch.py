@@ -6,7 +6,8 @@ run with a heavy EMA read as waiting for input. torch's DataLoader iterator (`__
 Lightning's fetcher, accelerate's and HF Trainer's loaders all call) is wrapped: its first call on
 the training thread after an update tells RankSteps where the input began. Before it is the script's
 own work (other); from it to the forward is data. A script with no DataLoader keeps the whole gap
-as data.
+as data. After an evaluation that ends without model.train() (Lightning's), the first fetch since
+its last forward that gave a batch (not StopIteration) is where the input began.
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ def install(current_steps: Callable[[], RankSteps | None]) -> None:
 
 def _fetch(current_steps: Callable[[], RankSteps | None], original: Callable[..., Any], iterator: Any) -> Any:
     steps = current_steps()
-    if steps is not None and steps.on_training_thread():
-        steps.input_begins()
-    return original(iterator)
+    if steps is None or not steps.on_training_thread():
+        return original(iterator)
+    steps.input_begins()
+    try:
+        return original(iterator)
+    except StopIteration:
+        steps.input_exhausted()
+        raise

@@ -137,6 +137,9 @@ class _Eval:
     last_forward_end: Any = None  # its last forward without grad, where it ends if no model.train() comes
     waits: list[_Collective] = field(default_factory=list)  # its collectives: comm_wait, not evaluation
     waits_after_forward: list[_Collective] = field(default_factory=list)  # its own only if model.train() comes
+    # The first DataLoader fetch since its last forward that gave a batch: where the next step's input
+    # began, if no model.train() comes (Lightning: its checkpoint and logging come between).
+    fetch_after_forward: Any = None
 
 
 @dataclass
@@ -238,8 +241,11 @@ class RankSteps:
         in_optimizer = self._optimizer_start is not None
         if self.training_thread is None:
             self.training_thread = threading.get_ident()
-        if self._eval is not None:  # no model.train() came: the evaluation ended with its last forward
-            self._close_eval(self._eval.last_forward_end or self.clock.mark())
+        evaluation = self._eval
+        if evaluation is not None:  # no model.train() came: the evaluation ended with its last forward
+            self._close_eval(evaluation.last_forward_end or self.clock.mark())
+            if self._input_start is None:
+                self._input_start = evaluation.fetch_after_forward
         with self._lock:
             step = self._step
             self._optimizer_ended = None
@@ -307,9 +313,21 @@ class RankSteps:
 
     def input_begins(self) -> None:
         """The training DataLoader's __next__ begins (input_fetch.py): the next step's input starts here,
-        unless an evaluation is open (its own batches) or it already started."""
-        if self._input_start is None and self._eval is None and self._between_steps():
+        unless it already started or an evaluation is open: then it is the evaluation's own batch,
+        or, after its last forward, the next step's if no forward of it follows."""
+        if self._input_start is not None or not self._between_steps():
+            return
+        evaluation = self._eval
+        if evaluation is None:
             self._input_start = self.clock.mark()
+        elif evaluation.last_forward_end is not None and evaluation.fetch_after_forward is None:
+            evaluation.fetch_after_forward = self.clock.mark()
+
+    def input_exhausted(self) -> None:
+        """That __next__ raised StopIteration: an evaluation's loader ran out; it began no input."""
+        evaluation = self._eval
+        if evaluation is not None:
+            evaluation.fetch_after_forward = None
 
     def eval_begins(self) -> None:
         """model.eval() on the trained model, or a forward without grad: an evaluation, if none is open."""
@@ -320,6 +338,7 @@ class RankSteps:
         evaluation = self._eval
         if evaluation is not None:
             evaluation.last_forward_end = self.clock.mark()
+            evaluation.fetch_after_forward = None  # the fetch before this forward was its batch's
             evaluation.waits += evaluation.waits_after_forward
             evaluation.waits_after_forward = []
 
@@ -395,7 +414,9 @@ class RankSteps:
         if opened is None:
             return
         start, step, phase, gap = opened
-        collective = _Collective(start, self.clock.mark(), phase, gap, before_input=self._input_start is None)
+        evaluation = self._eval
+        before_input = self._input_start is None and (evaluation is None or evaluation.fetch_after_forward is None)
+        collective = _Collective(start, self.clock.mark(), phase, gap, before_input=before_input)
         if step is None:
             self._between.append(collective)
             if self._eval is not None:
