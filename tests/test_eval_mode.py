@@ -1,6 +1,6 @@
-"""model.eval() / model.train() on the model a DDP rank trains (dpengine/script/eval_mode.py): which
-calls tell the phase clock an evaluation begins or ends. In a fresh process: nn.Module.train is
-wrapped process-wide."""
+"""model.eval() / model.train() on the model a DDP rank trains (dpengine/script/eval_mode.py, through
+ddp_swap.py): which calls tell the phase clock an evaluation begins or ends. In a fresh process:
+nn.Module.train is wrapped process-wide."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ SCRIPT = textwrap.dedent("""
     import json, os, threading
     import torch, torch.distributed as dist
     from torch import nn
-    from dpengine.script import eval_mode
+    from dpengine.script import ddp_swap
 
     class Steps:  # what eval_mode tells the rank's clock
         training_thread = threading.get_ident()
@@ -31,12 +31,11 @@ SCRIPT = textwrap.dedent("""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
     dist.init_process_group("gloo", rank=0, world_size=1)
     steps = Steps()
-    eval_mode.install(lambda: steps)
-    eval_mode.install(lambda: None)  # a second install wraps nothing twice
+    ddp_swap.install(lambda clock: steps, print)
+    ddp_swap.install(lambda clock: steps, print)  # a second install wraps nothing twice
     inner = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
     inner.eval()  # before any DDP: nothing to tell
-    ddp = nn.parallel.DistributedDataParallel(Wrapper(inner))
-    eval_mode.watch(ddp)
+    ddp = nn.parallel.DistributedDataParallel(Wrapper(inner))  # dptui's, which the clock watches
     said = {}
 
     def say(name, call):

@@ -58,7 +58,7 @@ class DistributedDataParallel(TorchDDP, metaclass=_SharedActiveModule):
         self._dptui_user_hook: tuple[Callable, object] | None = None
         self._dptui_builtin_hook = False
         _rank_steps(self)
-        eval_mode.watch(self)
+        eval_mode.watch(self, _mode_set)
 
     @torch._disable_dynamo(recursive=False)
     def forward(self, *inputs, **kwargs):
@@ -161,6 +161,17 @@ def _rank_steps(ddp: TorchDDP) -> None:
         ensure_steps(torch.device("cpu"))
 
 
+def _mode_set(training: bool) -> None:
+    """model.eval() / model.train() on the model a DDP trains (eval_mode.py): on the training thread,
+    an evaluation begins or ends."""
+    steps = _steps
+    if steps is not None and steps.on_training_thread():
+        if training:
+            steps.eval_ends()
+        else:
+            steps.eval_begins()
+
+
 def ensure_steps(device: torch.device) -> RankSteps | None:
     """The rank's phase clock: the first DDP or FSDP of the process chooses it, CUDA events for a
     module on a GPU."""
@@ -203,5 +214,5 @@ def install(make_steps: Callable[[HostClock | CudaClock], RankSteps], notice: Ca
     torch.nn.parallel.DistributedDataParallel = DistributedDataParallel
     fsdp_swap.install(ensure_steps, current_steps)
     collectives.install(current_steps)
-    eval_mode.install(current_steps)
+    eval_mode.install()
     input_fetch.install(current_steps)

@@ -8,8 +8,11 @@ A DataParallel step stays one forward and its backward, as the engine records it
 A step's end is its backward's end, or the last optimizer step after it; where the first optimizer
 step began (optimizer_start_ms, for the step timeline) is on the host clock, from the forward's start.
 A forward without grad (torch.no_grad, inference_mode: an evaluation) is recorded, with grad False,
-but is no step's input: from the first such forward's start to the last one's return since a step
-ended is the next step's eval_ms, taken out of its data_ms (its other, see eventlog/phases.py).
+but is no step's input. An evaluation runs from `model.eval()` on the DataParallel (or its module,
+eval_mode.py) or else its first such forward, to `model.train()` or else the last one's return; one
+since the previous step ended is the next step's eval_ms, taken out of its data_ms (its other, see
+eventlog/phases.py). `model.eval()` with no forward without grad before the next step (BatchNorm
+frozen for training) is no evaluation.
 The same hooks as a DDP rank's phase clock (training_hooks.py) feed it. A finished step is held until its optimizer time
 is known: until the next DataParallel forward begins, or the script ends; or, when neither comes,
 HELD_AT_MOST_S after it was held with no optimizer step running: a script killed then (SIGKILL, the
@@ -31,6 +34,14 @@ from .watcher import Watcher
 from .training_hooks import LossReading, read_loss
 
 Key = tuple[str, int]  # (instance label, its step number)
+
+
+@dataclasses.dataclass
+class _Evaluation:
+    start: float
+    end: float
+    forwards: int = 0  # without grad
+    trained: bool = False  # model.train() ended it
 Post = Callable[[str, StepRecord, float | None], None]
 
 
@@ -43,7 +54,7 @@ class DpPhases:
         self._optimizer: dict[Key, float] = {}
         self._began: dict[Key, float] = {}  # when each step's forward began
         self._optimizer_start: dict[Key, float] = {}  # its first optimizer step's, in ms from that
-        self._evaluation: dict[str, list[float]] = {}  # per instance: [first start, last return] since its last step ended
+        self._evaluation: dict[str, _Evaluation] = {}  # per instance: since its last step
         self._eval_ms: dict[Key, float] = {}
         self._loss: dict[Key, LossReading] = {}
         self._after_backward: dict[str, int] = {}  # instance -> its step whose backward is done, before a forward
@@ -64,16 +75,17 @@ class DpPhases:
             self._after_backward.clear()
             ended = self._ended.get(instance)
             if not grad:
-                span = self._evaluation.get(instance)
-                if span is None:
-                    self._evaluation[instance] = [now, now]
+                evaluation = self._evaluation.setdefault(instance, _Evaluation(now, now))
+                evaluation.forwards += 1
+                evaluation.trained = False  # after a model.train(): evaluations between two steps are one
                 return
             self._began[instance, step] = now
             evaluation = self._evaluation.pop(instance, None)
             if ended is None:
                 return
-            eval_ms = (evaluation[1] - evaluation[0]) * 1000.0 if evaluation is not None else 0.0
-            if eval_ms > 0.0:
+            eval_ms = 0.0
+            if evaluation is not None and evaluation.forwards and evaluation.start >= ended:
+                eval_ms = (evaluation.end - evaluation.start) * 1000.0
                 self._eval_ms[instance, step] = eval_ms
             self._data[instance, step] = (now - ended) * 1000.0 - eval_ms
 
@@ -83,9 +95,23 @@ class DpPhases:
             return
         now = time.perf_counter()
         with self._lock:
-            span = self._evaluation.get(instance)
-            if span is not None:
-                span[1] = now
+            evaluation = self._evaluation.get(instance)
+            if evaluation is not None and not evaluation.trained:
+                evaluation.end = now
+
+    def eval_begins(self, instance: str) -> None:
+        """model.eval() on `instance` (or its module)."""
+        now = time.perf_counter()
+        with self._lock:
+            self._evaluation.setdefault(instance, _Evaluation(now, now)).trained = False
+
+    def eval_ends(self, instance: str) -> None:
+        """model.train() on `instance` (or its module): the evaluation open ends here."""
+        now = time.perf_counter()
+        with self._lock:
+            evaluation = self._evaluation.get(instance)
+            if evaluation is not None and not evaluation.trained:
+                evaluation.end, evaluation.trained = now, True
 
     def backward_done(self, instance: str, step: int) -> None:
         """The engine: the step's backward completed (inside the backward call, on an autograd thread)."""

@@ -23,7 +23,7 @@ import torch
 from ..data_parallel import DataParallel as EngineDataParallel
 from ..data_parallel import extends_forward
 from ..devices import device_name, resolve_devices
-from . import gpu_ids, torch_pieces, training_hooks
+from . import eval_mode, gpu_ids, torch_pieces, training_hooks
 from .dp_phases import DpPhases
 from .instances import Instances, call_site
 from .link import ParentLink
@@ -66,6 +66,7 @@ class DataParallel(EngineDataParallel):
         link.announce(label, [device_name(d) for d in self.devices], copy_of=copy_of)
         self.subscribe(self._dptui_post_step)  # posts under this object's own label (a copy: the copy's)
         link.watch_threads(label, self.worker_thread_ids)
+        eval_mode.watch(self, functools.partial(_mode_set, label))
 
     def _dptui_post_step(self, record) -> None:
         phases = _phases
@@ -159,6 +160,16 @@ class DataParallel(EngineDataParallel):
                    "devices": list(target), "step": self.step_count + 1, "request": request})
 
 
+def _mode_set(instance: str, training: bool) -> None:
+    """model.eval() / model.train() on a DataParallel or the module it wraps (eval_mode.py)."""
+    phases = _phases
+    if phases is not None:
+        if training:
+            phases.eval_ends(instance)
+        else:
+            phases.eval_begins(instance)
+
+
 def _notice_once(text: str) -> None:
     if text not in _said and _link is not None:
         _said.add(text)
@@ -225,6 +236,7 @@ def install(link: ParentLink) -> None:
     _link = link
     _phases = DpPhases(link.post_step)
     training_hooks.listen(_phases)
+    eval_mode.install()
     submodule = sys.modules[_SUBMODULE]  # torch.nn.parallel.data_parallel as an attribute is the function
     torch.nn.DataParallel = DataParallel
     torch.nn.parallel.DataParallel = DataParallel
