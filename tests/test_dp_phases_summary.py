@@ -75,7 +75,8 @@ def test_an_evaluation_s_forwards_are_no_steps_and_its_time_is_other_in_the_summ
     other = (1.0 + 1.0 + 41.0) / 3  # steps 2, 3 and 6
     assert lines[-3] == (f"phases per step, means over 3 steps: data 4.00 · forward 12.0 · "
                          f"backward 20.0 · optimizer 3.00 · other {other:.1f} ms")
-    assert lines[-1] == f"other includes evaluation between steps (forwards without grad): {40 / 3:.1f} ms/step"
+    assert lines[-1] == ("other includes evaluation between steps (model.eval() to model.train(), or forwards "
+                         f"without grad): {40 / 3:.1f} ms/step")
 
 
 def test_an_evaluation_s_forwards_leave_the_loss_throughput_and_phases_shown_as_the_last_step_s():

@@ -60,4 +60,4 @@ def test_steps_carry_the_loss_the_input_wait_and_the_optimizer_time():
         summary.feed(decode_event(event))
     said = "\n".join(summary_lines(summary))  # as `dptui view --headless` and the run's end say it
     assert "5 steps, 2 forwards without grad, finished" in said, said
-    assert "other includes evaluation between steps (forwards without grad)" in said
+    assert "other includes evaluation between steps (model.eval() to model.train(), or forwards without grad)" in said

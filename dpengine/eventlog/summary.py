@@ -341,7 +341,8 @@ def dp_phase_lines(figures: DpPhaseFigures) -> list[str]:
     else:
         lines.append("input-bound: no")
     if figures.eval_ms:
-        lines.append(f"other includes evaluation between steps (forwards without grad): {ms(figures.eval_ms)} ms/step")
+        lines.append("other includes evaluation between steps (model.eval() to model.train(), or forwards "
+                     f"without grad): {ms(figures.eval_ms)} ms/step")
     return lines
 
 
