@@ -106,6 +106,7 @@ class DataParallel(nn.Module):
         self._records = StepRecords(weakref.WeakMethod(self._shape_record), weakref.WeakMethod(self._backward_ran))
         self._saved_bytes = SavedBytesCache()
         self._plan: ReplicationPlan | None = None
+        self._fed_with_grad: Balancer | None = None  # the balancer a forward with grad has fed
 
     # -- copy and pickle: the module's state, never the runtime -------------------------
 
@@ -610,11 +611,18 @@ class DataParallel(nn.Module):
         """Step `step`'s backward completed (inside the backward call): for a subclass to note."""
 
     def _shape_record(self, pending: PendingStep, record: StepRecord) -> StepRecord:
-        """A step of the split in use feeds the auto-balancer, which may add its figures."""
+        """A step of the split in use feeds the auto-balancer, which may add its figures. Once a
+        forward with grad has fed it, forwards without grad no longer do: an evaluation's
+        forward-only times would pull a training split their way (a DataParallel only ever run
+        without grad, for inference, learns from those)."""
         balancer = self._balancer
-        if balancer is not None and pending.split is self._split:
-            return self._balance(balancer, pending, record)
-        return record
+        if balancer is None or pending.split is not self._split:
+            return record
+        if pending.grad:
+            self._fed_with_grad = balancer
+        elif self._fed_with_grad is balancer:
+            return record
+        return self._balance(balancer, pending, record)
 
     def _balance(self, balancer: Balancer, pending: PendingStep, record: StepRecord) -> StepRecord:
         """Feed the step to the balancer; its new split holds from the next forward on."""
@@ -685,7 +693,7 @@ def _rows(args: Any, kwargs: dict[str, Any], dim: int) -> int:
 
 
 # Per-process runtime (see DataParallel._start_runtime): never pickled or copied.
-_RUNTIME = ("_pool", "_records", "_saved_bytes", "_plan")
+_RUNTIME = ("_pool", "_records", "_saved_bytes", "_plan", "_fed_with_grad")
 # dpengine's settings beyond torch's attributes (module, dim, device_ids, output_device, src_device_obj).
 _ENGINE_CONFIG = ("devices", "_split", "_split_kind", "_balancer", "recording")
 

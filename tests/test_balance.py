@@ -235,6 +235,38 @@ def test_data_parallel_balances_a_slow_device_and_records_it():
     dp.close()
 
 
+def test_an_evaluation_s_forwards_do_not_move_a_split_learned_in_training():
+    # A validation loop's forward-only times fed the balancer: here they say cpu:0 is slow, and the
+    # training split moved off cpu:0 for the steps after it.
+    torch.manual_seed(0)
+    slow = {"cpu:2": 1.0}
+    model = SlowOnDevice(slow, base_ms_per_row=0.5)
+    dp = DataParallel(model, DEVICES, balance="auto")
+    x = torch.randn(30, 5)
+    for _ in range(12):
+        dp(x).sum().backward()
+    trained = dp.last_step.chunk_sizes
+    assert trained[2] < min(trained[:2])
+    slow.clear()
+    slow["cpu:0"] = 2.0
+    with torch.no_grad():
+        for _ in range(12):
+            dp(x)
+            assert dp.last_step.chunk_sizes == trained and not dp.last_step.grad
+    dp.close()
+
+
+def test_a_dataparallel_run_only_without_grad_balances_on_those_forwards():
+    torch.manual_seed(0)
+    dp = DataParallel(SlowOnDevice({"cpu:2": 1.0}, base_ms_per_row=0.5), DEVICES, balance="auto")
+    with torch.no_grad():
+        for _ in range(12):
+            dp(torch.randn(30, 5))
+    last = dp.last_step
+    assert last.balanced and last.chunk_sizes[2] < min(last.chunk_sizes[:2])
+    dp.close()
+
+
 def test_setting_a_split_by_hand_ends_auto_balance():
     dp = DataParallel(torch.nn.Linear(5, 2), DEVICES, balance="auto")
     dp.set_split(balance="weights", weights=[2, 1, 1])
