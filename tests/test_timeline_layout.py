@@ -117,6 +117,12 @@ def test_an_evaluation_before_a_script_s_step_is_drawn_as_other_before_its_data_
     assert timeline.span_ms == pytest.approx(33.7 + 80.0)
 
 
+def test_a_forward_without_grad_is_titled_as_an_evaluation_not_a_step():
+    assert dp_timeline(7, unbalanced_step()).title == "timeline · step 7"
+    evaluation = dp_timeline(8, dataclasses.replace(unbalanced_step(), grad=False))
+    assert evaluation.title == "timeline · step 8 · a forward without grad (evaluation)"
+
+
 def test_a_script_s_optimizer_without_its_start_follows_the_backward_and_is_approximate():
     record = dataclasses.replace(unbalanced_step(), data_ms=2.0, optimizer_ms=4.0)
     timeline = dp_timeline(1, record)

@@ -66,7 +66,7 @@ class Timeline:
     rows: tuple[Row, ...]
     span_ms: float  # the axis runs from 0 to this
     approximate: bool  # some phase had no start time: laid end to end
-    name: str = ""  # the title, where it is not one step's (dptui compare's median steps)
+    name: str = ""  # the title, where it is not a plain step's (dptui compare's median steps, an evaluation's forward)
 
     @property
     def title(self) -> str:
@@ -171,7 +171,9 @@ def dp_timeline(step: int, record: StepRecord) -> Timeline:
                 before.append(_phase("data", evaluation, data, shared=True))
             spans = [*before, *(dataclasses.replace(s, start_ms=s.start_ms + lead) for s in spans)]
         rows.append(Row(replica.device, tuple(spans)))
-    return Timeline(step, tuple(rows), _span_of(rows, span + lead), not exact)
+    # An evaluation's forward (no grad) is no training step: the title says so.
+    name = "" if record.grad else f"timeline · step {step} · a forward without grad (evaluation)"
+    return Timeline(step, tuple(rows), _span_of(rows, span + lead), not exact, name)
 
 
 # -- DDP ranks --------------------------------------------------------------------------------
