@@ -72,9 +72,9 @@ class StepRecord:
     # Where the first of those optimizer steps began, in ms from the DataParallel forward's call, on
     # the host clock (the timeline draws it there); None where no optimizer stepped, or not recorded.
     optimizer_start_ms: float | None = None
-    # Forwards without grad of this DataParallel since its previous step (an evaluation): from the
-    # first's start to the last's return, on the host clock; counted in the step's other, not its
-    # data. None where there were none, or not recorded.
+    # An evaluation of this DataParallel since its previous step (forwards without grad): from
+    # model.eval() or its first such forward to model.train() or its last one's return, on the host
+    # clock; counted in the step's other, not its data. None where there was none, or not recorded.
     eval_ms: float | None = None
 
     @property

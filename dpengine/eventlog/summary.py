@@ -72,7 +72,7 @@ class DpPhaseFigures:
     input_bound_since: int | None  # the step the first verdict began at
     input_bound_data_ms: float | None  # mean data ms over those steps
     input_bound_step_ms: float | None  # mean step ms over them
-    eval_ms: float | None = None  # of other: forwards without grad before the steps, mean per step; None: none
+    eval_ms: float | None = None  # of other: evaluations before the steps, mean per step; None: none
 
 
 class _Mean:

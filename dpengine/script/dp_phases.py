@@ -34,15 +34,17 @@ from .watcher import Watcher
 from .training_hooks import LossReading, read_loss
 
 Key = tuple[str, int]  # (instance label, its step number)
+Post = Callable[[str, StepRecord, float | None], None]
 
 
 @dataclasses.dataclass
 class _Evaluation:
-    start: float
-    end: float
-    forwards: int = 0  # without grad
+    """An instance's evaluation since its last step, on the host clock."""
+
+    start: float  # model.eval(), or its first forward without grad
+    end: float  # model.train(), or its last such forward's return
+    forwards: int = 0  # without grad: none, and model.eval() only froze BatchNorm for training
     trained: bool = False  # model.train() ended it
-Post = Callable[[str, StepRecord, float | None], None]
 
 
 class DpPhases:
