@@ -52,7 +52,7 @@ def test_steps_carry_the_loss_the_input_wait_and_the_optimizer_time():
     assert [s["batch_size"] for s in evaluation] == [16, 16] and len(model) == 5
     assert all(s["loss"] is None and s["engine"]["data_ms"] is None for s in evaluation)
     after = model[3]["engine"]
-    assert after["eval_ms"] >= 300 and 30 <= after["data_ms"] < 100, after
+    assert after["eval_ms"] >= 300 and 30 <= after["data_ms"] < 150, after  # 230+ without the eval() call
     assert all(s["engine"]["eval_ms"] is None for s in model if s is not model[3])
     assert finished[0]["steps"] == 5 + 2  # the model's and the GAN's, not the evaluation's forwards
     summary = RunSummary()
