@@ -76,6 +76,9 @@ class StepRecord:
     # model.eval() or its first such forward to model.train() or its last one's return, on the host
     # clock; counted in the step's other, not its data. None where there was none, or not recorded.
     eval_ms: float | None = None
+    # The script's other DataParallels' forwards in that time (a distillation teacher's, a GAN
+    # generator's): in the step's other too, not its data. None where there were none, or not recorded.
+    others_forward_ms: float | None = None
 
     @property
     def chunk_sizes(self) -> tuple[int, ...]:

@@ -79,6 +79,15 @@ def test_an_evaluation_s_forwards_are_no_steps_and_its_time_is_other_in_the_summ
                          f"without grad): {40 / 3:.1f} ms/step")
 
 
+def test_other_dataparallels_forwards_before_the_steps_are_other_in_the_summary():
+    steps = [script_step(1, None), script_step(2, 4.0), script_step(3, 4.0)]
+    steps[2] = dataclasses.replace(steps[2], record=dataclasses.replace(steps[2].record, others_forward_ms=30.0))
+    lines = summary_lines(summary_of(steps))
+    assert lines[-3].endswith(f"other {(1.0 + 31.0) / 2:.1f} ms")
+    assert lines[-1] == ("other includes the script's other DataParallels' forwards between steps (a teacher's, "
+                         "a generator's): 15.0 ms/step")
+
+
 def test_an_evaluation_s_forwards_leave_the_loss_throughput_and_phases_shown_as_the_last_step_s():
     view = RunView(lambda: 0.0)
     steps = with_evaluation()
@@ -100,6 +109,16 @@ def test_compare_counts_a_script_s_steps_not_its_evaluation_s_forwards():
     assert list(figures.run["step"].steps) == [1, 2, 3, 6] and figures.steps == 4
     assert list(figures.units["cpu:0"].series["rows"].steps) == [1, 2, 3, 6]
     assert max(figures.run["samples_per_s"].values) < 1e6  # not the evaluation forwards' rate
+
+
+def test_compare_names_the_first_dataparallel_that_trains_not_a_teacher_followed_before_it():
+    started = summary_of([]).started
+    teacher = dataclasses.replace(started, config=dataclasses.replace(started.config, workload="DataParallel(T)@t.py:1"))
+    forward = dataclasses.replace(evaluation_forward(1), instance="DataParallel(T)@t.py:1")
+    figures = RunFigures().feed_all([teacher, forward, started, *with_evaluation()])
+    assert figures.workload.workload == INSTANCE and figures.steps == 4
+    again = RunFigures().feed_all([started, *with_evaluation(), teacher])  # the user's choice (key i), later
+    assert again.workload.workload == INSTANCE
 
 
 def test_a_compute_bound_script_s_summary_says_it_was_not_input_bound():

@@ -117,6 +117,13 @@ def test_an_evaluation_before_a_script_s_step_is_drawn_as_other_before_its_data_
     assert timeline.span_ms == pytest.approx(33.7 + 80.0)
 
 
+def test_other_dataparallels_forwards_and_an_evaluation_are_one_other_span_before_the_data_wait():
+    record = dataclasses.replace(unbalanced_step(), data_ms=30.0, eval_ms=50.0, others_forward_ms=20.0)
+    row = spans(dp_timeline(7, record), 0)
+    assert (row["other"].start_ms, row["other"].duration_ms, row["other"].short) == (0.0, 70.0, "other")
+    assert (row["data"].start_ms, row["forward"].start_ms) == (70.0, pytest.approx(101.7))
+
+
 def test_a_forward_without_grad_is_titled_as_an_evaluation_not_a_step():
     assert dp_timeline(7, unbalanced_step()).title == "timeline · step 7"
     evaluation = dp_timeline(8, dataclasses.replace(unbalanced_step(), grad=False))

@@ -141,10 +141,10 @@ def test_start_times_where_the_log_has_them_and_no_approximate_mark():
     assert gather["ts"] == pytest.approx(instants[1] + 0.85 * 1000)
 
 
-def test_an_evaluation_before_a_script_s_step_is_other_on_its_track_before_the_data_wait():
+def test_an_evaluation_and_other_dataparallels_forwards_before_a_step_are_other_before_the_data_wait():
     events = demo_events(DEVICES, epochs=1)
     steps = [with_starts(e) for e in events if isinstance(e, StepFinished)]
-    steps[2]["engine"].update(data_ms=3.0, eval_ms=40.0)
+    steps[2]["engine"].update(data_ms=3.0, eval_ms=30.0, others_forward_ms=10.0)
     trace = trace_of([to_json_dict(events[0]), *steps])
     tracks = {name: tid for (pid, tid), name in named(trace, "thread_name").items()}
     instants = [e["ts"] for e in trace if e["ph"] == "i"]

@@ -141,11 +141,12 @@ def dp_timeline(step: int, record: StepRecord) -> Timeline:
     devices = {r.index: r.device for r in record.replicas}
     durations = {r.index: r.forward_ms for r in record.replicas}
 
-    # The script's phases (`dptui run`): an evaluation and its wait for input before the step, its
-    # optimizer after it.
+    # The script's phases (`dptui run`): an evaluation, other DataParallels' forwards and its wait
+    # for input before the step, its optimizer after it.
     data, optimizer = _recorded(record.data_ms), _recorded(record.optimizer_ms)
     evaluation = _recorded(record.eval_ms) or 0.0
-    lead = evaluation + (data or 0.0)  # the step's own phases start after those
+    others = _recorded(record.others_forward_ms) or 0.0  # other DataParallels' forwards
+    lead = evaluation + others + (data or 0.0)  # the step's own phases start after those
     optimizer_start = start(record.optimizer_start_ms, span) if optimizer is not None else None
 
     rows = []
@@ -166,9 +167,10 @@ def dp_timeline(step: int, record: StepRecord) -> Timeline:
         if optimizer_start is not None:
             spans.append(_phase("optimizer", optimizer_start, optimizer, "opt", shared=True))
         if lead:
-            before = [_phase("other", 0.0, evaluation, "eval", shared=True)] if evaluation else []
+            before = [_phase("other", 0.0, evaluation + others, "other" if others else "eval", shared=True)
+                      ] if evaluation or others else []
             if data:
-                before.append(_phase("data", evaluation, data, shared=True))
+                before.append(_phase("data", evaluation + others, data, shared=True))
             spans = [*before, *(dataclasses.replace(s, start_ms=s.start_ms + lead) for s in spans)]
         rows.append(Row(replica.device, tuple(spans)))
     # An evaluation's forward (no grad) is no training step: the title says so.

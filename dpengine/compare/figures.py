@@ -148,7 +148,7 @@ class RunFigures:
         elif isinstance(event, StragglerCleared):
             self.stragglers.append(Straggler(-1, "", 0.0, event.step))
         elif isinstance(event, RunStarted):
-            if self.workload is None:
+            if self.workload is None or not self.steps:  # `dptui run`: the first DataParallel that trains
                 config = event.config
                 self.workload = Workload(config.workload, config.backend, config.batch_size, tuple(config.devices))
             self._following = event.config.workload

@@ -71,7 +71,8 @@ def dp_step_phases(step: int, record: StepRecord) -> StepPhases | None:
     forward = _finite(record.total_ms) or 0.0
     backward_start = _finite(record.backward_start_ms)
     other = max(backward_start - forward, 0.0) if backward_start is not None else 0.0
-    other += _finite(record.eval_ms) or 0.0  # an evaluation before it: not input (dp_phases.py)
+    # An evaluation before it and other DataParallels' forwards: not input (dp_phases.py).
+    other += (_finite(record.eval_ms) or 0.0) + (_finite(record.others_forward_ms) or 0.0)
     return StepPhases(step, data_ms=data, forward_ms=forward, backward_ms=_finite(record.backward_ms) or 0.0,
                       optimizer_ms=_finite(record.optimizer_ms) or 0.0, other_ms=other)
 

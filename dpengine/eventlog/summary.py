@@ -73,6 +73,7 @@ class DpPhaseFigures:
     input_bound_data_ms: float | None  # mean data ms over those steps
     input_bound_step_ms: float | None  # mean step ms over them
     eval_ms: float | None = None  # of other: evaluations before the steps, mean per step; None: none
+    others_forward_ms: float | None = None  # of other: other DataParallels' forwards before them, likewise
 
 
 class _Mean:
@@ -102,12 +103,13 @@ class _Device:
 
 
 class _DpPhaseSums:
-    __slots__ = ("steps", "phases", "evaluation", "watch", "bound_steps", "bound_since", "bound_data", "bound_step")
+    __slots__ = ("steps", "phases", "evaluation", "others", "watch", "bound_steps", "bound_since", "bound_data",
+                 "bound_step")
 
     def __init__(self) -> None:
         self.steps = 0
         self.phases = {phase: _Mean() for phase in WORK_PHASES}
-        self.evaluation = _Mean()
+        self.evaluation, self.others = _Mean(), _Mean()
         self.watch = InputBoundWatch()
         self.bound_steps = 0
         self.bound_since: int | None = None
@@ -121,6 +123,7 @@ class _DpPhaseSums:
         for phase, value in zip(WORK_PHASES, phases.ms):
             self.phases[phase].add(value)
         self.evaluation.add(record.eval_ms or 0.0)
+        self.others.add(record.others_forward_ms or 0.0)
         if self.watch.feed(phases) is not None:
             self.bound_steps += 1
             self.bound_since = self.watch.verdict.since if self.bound_since is None else self.bound_since
@@ -184,6 +187,12 @@ class RunSummary:
                 self._add(replica)
             self._dp_phases.add(event.step, event.record)
         elif isinstance(event, RunStarted):
+            if self.started is not None and not self.steps and event.config.workload != self._following:
+                # `dptui run`'s panels moved from a DataParallel only run without grad (a distillation
+                # teacher) to the first that trains: the summary is that one's.
+                self.started = None
+                self.forwards_without_grad = 0
+                self._devices, self._dp_phases = {}, _DpPhaseSums()
             self.started = self.started or event
             self._following = event.config.workload
         elif isinstance(event, (RunFinished, RunFailed)):
@@ -261,7 +270,7 @@ class RunSummary:
             steps=sums.steps, phase_ms={phase: sums.phases[phase].value for phase in WORK_PHASES},
             input_bound_steps=sums.bound_steps, input_bound_since=sums.bound_since,
             input_bound_data_ms=sums.bound_data.value, input_bound_step_ms=sums.bound_step.value,
-            eval_ms=sums.evaluation.value or None)
+            eval_ms=sums.evaluation.value or None, others_forward_ms=sums.others.value or None)
 
     def devices(self) -> tuple[DeviceSummary, ...]:
         """One summary per device that ran a replica, in the order they first appear."""
@@ -343,6 +352,9 @@ def dp_phase_lines(figures: DpPhaseFigures) -> list[str]:
     if figures.eval_ms:
         lines.append("other includes evaluation between steps (model.eval() to model.train(), or forwards "
                      f"without grad): {ms(figures.eval_ms)} ms/step")
+    if figures.others_forward_ms:
+        lines.append("other includes the script's other DataParallels' forwards between steps (a teacher's, "
+                     f"a generator's): {ms(figures.others_forward_ms)} ms/step")
     return lines
 
 

@@ -315,21 +315,23 @@ def export_trace(log: str | os.PathLike, out: IO[str]) -> TraceWriter:
 
 
 def _script_phases(engine: dict[str, Any], phases: list, exact: bool) -> tuple[list, bool]:
-    """A `dptui run` step's phases with the script's around them: an evaluation before it (as
-    other) and its data wait first (the step's own phases after them), its optimizer steps after
-    the backward (at `optimizer_start_ms`, else at the step's end, approximate)."""
+    """A `dptui run` step's phases with the script's around them: an evaluation and other
+    DataParallels' forwards before it (as other) and its data wait first (the step's own phases
+    after them), its optimizer steps after the backward (at `optimizer_start_ms`, else at the
+    step's end, approximate)."""
     data, optimizer = _ms(engine.get("data_ms")), _ms(engine.get("optimizer_ms"))
-    evaluation = _ms(engine.get("eval_ms"))
+    # An evaluation and other DataParallels' forwards before it: other.
+    before_data = (_ms(engine.get("eval_ms")) or 0.0) + (_ms(engine.get("others_forward_ms")) or 0.0)
     if optimizer:
         start = _ms(engine.get("optimizer_start_ms"))
         if start is None:
             exact, start = False, max((s + d for _, _, s, d, _ in phases), default=0.0)
         phases = [*phases, (SCRIPT_TRACK, "optimizer", start, optimizer, None)]
-    lead = (evaluation or 0.0) + (data or 0.0)
+    lead = before_data + (data or 0.0)
     if lead:
-        before = [(SCRIPT_TRACK, "other", 0.0, evaluation, None)] if evaluation else []
+        before = [(SCRIPT_TRACK, "other", 0.0, before_data, None)] if before_data else []
         if data:
-            before.append((SCRIPT_TRACK, "data", evaluation or 0.0, data, None))
+            before.append((SCRIPT_TRACK, "data", before_data, data, None))
         phases = [*before,
                   *((track, name, start + lead, duration, rows) for track, name, start, duration, rows in phases)]
     return phases, exact

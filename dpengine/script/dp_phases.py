@@ -12,7 +12,9 @@ but is no step's input. An evaluation runs from `model.eval()` on the DataParall
 eval_mode.py) or else its first such forward, to `model.train()` or else the last one's return; one
 since the previous step ended is the next step's eval_ms, taken out of its data_ms (its other, see
 eventlog/phases.py). `model.eval()` with no forward without grad before the next step (BatchNorm
-frozen for training) is no evaluation.
+frozen for training) is no evaluation. Likewise the forwards of the script's other DataParallels
+in that time (a distillation teacher's, a GAN generator's before the discriminator's) are its
+others_forward_ms, in its other, not its data.
 The same hooks as a DDP rank's phase clock (training_hooks.py) feed it. A finished step is held until its optimizer time
 is known: until the next DataParallel forward begins, or the script ends; or, when neither comes,
 HELD_AT_MOST_S after it was held with no optimizer step running: a script killed then (SIGKILL, the
@@ -24,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 import torch
@@ -35,6 +38,13 @@ from .training_hooks import LossReading, read_loss
 
 Key = tuple[str, int]  # (instance label, its step number)
 Post = Callable[[str, StepRecord, float | None], None]
+# Forwards kept to tell a step's gap what ran in it; past this many between two steps of one
+# instance, the oldest count as its data.
+FORWARDS_KEPT = 1024
+
+
+def _overlap(start: float, end: float, since: float, until: float) -> float:
+    return max(min(end, until) - max(start, since), 0.0)
 
 
 @dataclasses.dataclass
@@ -58,6 +68,9 @@ class DpPhases:
         self._optimizer_start: dict[Key, float] = {}  # its first optimizer step's, in ms from that
         self._evaluation: dict[str, _Evaluation] = {}  # per instance: since its last step
         self._eval_ms: dict[Key, float] = {}
+        self._forwarding: dict[str, float] = {}  # per instance: when its forward in progress began
+        self._forwards: deque[tuple[str, float, float]] = deque(maxlen=FORWARDS_KEPT)  # (instance, start, end)
+        self._others_ms: dict[Key, float] = {}
         self._loss: dict[Key, LossReading] = {}
         self._after_backward: dict[str, int] = {}  # instance -> its step whose backward is done, before a forward
         self._in_backward: list[Key] = []  # steps whose backward ran in the backward call in progress
@@ -75,6 +88,7 @@ class DpPhases:
         now = time.perf_counter()
         with self._lock:
             self._after_backward.clear()
+            self._forwarding[instance] = now
             ended = self._ended.get(instance)
             if not grad:
                 evaluation = self._evaluation.setdefault(instance, _Evaluation(now, now))
@@ -85,18 +99,38 @@ class DpPhases:
             evaluation = self._evaluation.pop(instance, None)
             if ended is None:
                 return
-            eval_ms = 0.0
-            if evaluation is not None and evaluation.forwards and evaluation.start >= ended:
-                eval_ms = (evaluation.end - evaluation.start) * 1000.0
+            if evaluation is None or not evaluation.forwards or evaluation.start < ended:
+                evaluation = None
+            eval_ms = (evaluation.end - evaluation.start) * 1000.0 if evaluation is not None else 0.0
+            if eval_ms:
                 self._eval_ms[instance, step] = eval_ms
-            self._data[instance, step] = (now - ended) * 1000.0 - eval_ms
+            gap_ms = (now - ended) * 1000.0 - eval_ms
+            others_ms = min(self._others_forward_ms(instance, ended, now, evaluation), gap_ms)
+            if others_ms > 0.0:
+                self._others_ms[instance, step] = others_ms
+            self._data[instance, step] = gap_ms - max(others_ms, 0.0)
+
+    def _others_forward_ms(self, instance: str, since: float, until: float, evaluation: _Evaluation | None) -> float:
+        """Other instances' forwards between `since` and `until`, outside `instance`'s evaluation (its own)."""
+        total = 0.0
+        for who, start, end in reversed(self._forwards):  # newest first: stop at the first that ended before
+            if end <= since:
+                break
+            if who != instance:
+                total += _overlap(start, end, since, until)
+                if evaluation is not None:
+                    total -= _overlap(start, end, evaluation.start, evaluation.end)
+        return total * 1000.0
 
     def forward_returns(self, instance: str, grad: bool) -> None:
         """`instance`'s forward returned (raised too): an evaluation's last forward so far ends here."""
-        if grad:
-            return
         now = time.perf_counter()
         with self._lock:
+            start = self._forwarding.pop(instance, None)
+            if start is not None:
+                self._forwards.append((instance, start, now))
+            if grad:
+                return
             evaluation = self._evaluation.get(instance)
             if evaluation is not None and not evaluation.trained:
                 evaluation.end = now
@@ -145,7 +179,8 @@ class DpPhases:
                 record = dataclasses.replace(record, data_ms=self._data.pop(key, None),
                                              optimizer_ms=self._optimizer.pop(key, None),
                                              optimizer_start_ms=self._optimizer_start.pop(key, None),
-                                             eval_ms=self._eval_ms.pop(key, None))
+                                             eval_ms=self._eval_ms.pop(key, None),
+                                             others_forward_ms=self._others_ms.pop(key, None))
                 out.append((instance, record, reading))
             self._held = keep
         for instance, record, reading in out:

@@ -81,6 +81,9 @@ class ScriptRun(Publisher):
         self._started_at = 0.0
         self._config: RunConfig | None = None
         self._shown: str | None = None  # the DataParallel whose steps the panels show
+        # Whether the shown one has trained (a forward with grad), or the user chose it (key i): else the
+        # first DataParallel that trains takes the panels from one only run without grad (a teacher).
+        self._shown_settled = False
         self._devices: tuple[str, ...] = ()
         self._seen: dict[str, tuple[str, ...]] = {}
         self._link_closed = False  # the child said its link lasted to its end (wire `closed`)
@@ -183,7 +186,7 @@ class ScriptRun(Publisher):
         if len(seen) < 2:
             raise ValueError("The script has built one DataParallel so far: nothing to switch to.")
         following = seen[(seen.index(self._shown) + 1) % len(seen)] if self._shown in seen else seen[0]
-        self._shown = following
+        self._shown, self._shown_settled = following, True
         self._config = None  # its first step starts the panels afresh (a new RunStarted)
         return following
 
@@ -298,8 +301,7 @@ class ScriptRun(Publisher):
             self._child_notices.append(str(body.get("text")))
         elif kind == "step":
             self._stepped.add(instance)
-            if self._shown is None:
-                self._shown = instance
+            self._follow(instance, trains=body.get("engine", {}).get("grad", True) is not False)
             self._on_step(body)
         elif kind == "threads":
             self._threads[instance] = {str(k): int(v) for k, v in body["threads"].items()}
@@ -313,6 +315,15 @@ class ScriptRun(Publisher):
             self._publish(StepsDropped(instance, int(body["steps"])))
         elif kind == "closed":
             self._link_closed = True
+
+    def _follow(self, instance: str, trains: bool) -> None:
+        """The panels follow the first DataParallel with a step, until one that trains comes."""
+        if self._shown is None or (trains and not self._shown_settled and instance != self._shown):
+            if self._shown is not None:
+                self._config = None  # its first step starts the panels afresh (a new RunStarted)
+            self._shown = instance
+        if trains and instance == self._shown:
+            self._shown_settled = True
 
     def _on_step(self, body: dict[str, Any]) -> None:
         """Every instance's steps go out (the log and --json keep them all); the panels take the shown one's."""
