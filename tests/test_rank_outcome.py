@@ -57,6 +57,22 @@ def test_an_abort_before_the_script_finished_is_a_failure():
     assert rank_end(gen, 1, -signal.SIGABRT).exit_code == -signal.SIGABRT
 
 
+def test_an_abort_in_teardown_after_the_script_raised_counts_as_pythons_exit_1_with_a_note():
+    # Seen in CI: rank 1 raised, gloo aborted it in teardown, and dptui exited 134 where torchrun says 1.
+    gen = generation()
+    gen.failed[1] = {"host": "node1", "error": "RuntimeError: bad batch at step 5"}
+    status = exit_status(gen, record((1, -signal.SIGABRT), (0, -signal.SIGTERM)), None, 1)
+    assert (status.code, status.signal, status.failed_rank) == (1, None, 1)
+    assert status.notes == ("rank 1 ended with SIGABRT in interpreter teardown after its script raised: "
+                            "counted as exit 1",)
+    ended = rank_end(gen, 1, -signal.SIGABRT)
+    assert (ended.exit_code, ended.error, ended.script_finished) == (1, "RuntimeError: bad batch at step 5", False)
+    gen = generation()  # without torchrun's record: the same
+    gen.failed[1] = {"host": "node1", "error": "RuntimeError: bad batch at step 5"}
+    gen.remote_codes[1] = -signal.SIGABRT
+    assert exit_status(gen, FailureRecord(), None, 1).code == 1
+
+
 def test_the_first_failed_ranks_status_is_dptuis_and_the_ranks_torchrun_ended_after_it_are_not():
     gen = generation()
     gen.failed[1] = {"host": "node1", "error": "ValueError: boom", "traceback": "Traceback ..."}

@@ -5,6 +5,7 @@ script finished with a status, or raised) and torchrun's failure record (the sta
 that could not say: a signal) decide each rank's `RankEnded` and dptui's status:
 - 0 when every rank's script finished with 0; a gloo rank that aborts in interpreter teardown after
   its script finished counts as finished, with a one-line note (never an abort before the end);
+  likewise one that aborts in teardown after its script raised counts as Python's exit 1;
 - else torchrun's first observed failure (its "Root Cause"), as torchrun itself names it: that
   rank's process status (128+N for signal N), so dptui and plain torchrun name the same rank every
   try; where the first rank dptui heard raise is another, a note says so (torchrun's order is by
@@ -50,6 +51,17 @@ class Generation:
         return str(failed.get("host") or (joined.host if joined else ""))
 
 
+def _aborted_after_raising(gen: Generation, rank: int, code: int | None) -> bool:
+    """The rank's script raised (it said so) and gloo then aborted its process in interpreter teardown:
+    Python's status for the exception is 1, as for a rank that ended cleanly after raising."""
+    failed = gen.failed.get(rank)
+    return failed is not None and code == -signal.SIGABRT and failed.get("error") != "KeyboardInterrupt"
+
+
+def _after_raising_note(rank: int) -> str:
+    return f"rank {rank} ended with SIGABRT in interpreter teardown after its script raised: counted as exit 1"
+
+
 def rank_end(gen: Generation, rank: int, recorded: int | None) -> RankEnded | None:
     """The rank's end, once (None if said already): its script's status if it said, else `recorded`,
     torchrun's record of its process (None: not in the record, so it exited 0)."""
@@ -64,6 +76,8 @@ def rank_end(gen: Generation, rank: int, recorded: int | None) -> RankEnded | No
         # saying it failed); anything else uncaught exits 1.
         interrupted = failed.get("error") == "KeyboardInterrupt"
         code = recorded if recorded not in (None, 0) else -signal.SIGINT if interrupted else 1
+        if _aborted_after_raising(gen, rank, code):
+            code = 1
     else:
         code = recorded if recorded is not None else 0
     error = str(failed.get("error") or "")
@@ -101,12 +115,16 @@ def exit_status(gen: Generation, record: FailureRecord, stopped_by: int | None, 
             error = gen.failed[raised_first].get("error") or "an exception"
             notes += (f"rank {raised_first} raised first ({error}); torchrun names rank {root.rank} "
                       "as its first failure",)
+        if _aborted_after_raising(gen, root.rank, root.exit_code):
+            return ExitStatus(1, None, root.rank, (*notes, _after_raising_note(root.rank)))
         return ExitStatus(shell_status(root.exit_code), signal_name(root.exit_code), root.rank, notes)
     # The first rank whose script raised is the cause (its peers may raise after it, in a collective
     # whose peer is gone), even when torchrun saw a peer die first: a gloo rank whose peer is gone may
     # abort (SIGABRT) in its collective before the raiser's exit. `failed` is in the order they said it.
     for rank in gen.failed:
         recorded = record.exit_code_of(rank) or gen.remote_codes.get(rank)
+        if _aborted_after_raising(gen, rank, recorded):
+            return ExitStatus(1, None, rank, (*notes, _after_raising_note(rank)))
         return ExitStatus(shell_status(recorded) if recorded else 1, signal_name(recorded or 0), rank, notes)
     for failure in record.failures:  # the first observed failure first
         if gen.finished.get(failure.rank) == 0:
