@@ -227,19 +227,21 @@ class RunView:
         if event.instance is not None and config is not None and event.instance != config.workload:
             return  # `dptui run`: another DataParallel of the script than the one the panels follow
         self._last_step = event
-        if event.record.grad:  # an evaluation's forward has no loss and is no step's throughput
+        # An evaluation's forward has no loss and is no step: the loss, throughput, step times, phases
+        # and verdict stay the last step's through it; the panels show what each replica did.
+        trains = event.record.grad
+        if trains:
             self._loss_history.append(event.loss)
             self._throughput_history.append(event.samples_per_s)
             self._throughput = _ema(self._throughput, event.samples_per_s)
-        for replica in per_device(event.record.replicas).values():  # what each replica did: every forward
+            self._judge_phases(event)
+        for replica in per_device(event.record.replicas).values():
             device = self._per_device.setdefault(replica.device, _Device())
             device.last = replica
             device.forward_ema = _ema(device.forward_ema, replica.forward_ms)
             device.backward_ema = _ema(device.backward_ema, replica.backward_ms)
-            if event.record.grad:
+            if trains:
                 device.step_ms.append(replica.forward_ms + (replica.backward_ms or 0.0))
-        if event.record.grad:  # the phases and the verdict stay the last step's through an evaluation
-            self._judge_phases(event)
         now = self._clock()
         if self.MODEL_LINES and (self._last_logged is None or now - self._last_logged >= LOG_EVERY_S):
             self._last_logged = now

@@ -156,13 +156,17 @@ class RunSummary:
         self.started: RunStarted | None = None  # the first run_started
         self.end: RunFinished | RunFailed | None = None  # the last end
         self.steps = 0  # DataParallel steps: forwards with grad
-        self.forwards_without_grad = 0  # and those without (an evaluation's, inference)
-        self._devices: dict[str, _Device] = {}
         self._following: str | None = None  # `dptui run`: the instance the panels follow
-        self._dp_phases = _DpPhaseSums()
+        self._forget_forwards()
         self._ranks: dict[int, _RankSums] = {}
         self.verdicts: list[StragglerFound | StragglerCleared] = []  # the first MAX_VERDICTS, in order
         self.more_verdicts = 0  # found or cleared after those
+
+    def _forget_forwards(self) -> None:
+        """The DataParallel sums but the step count: the forwards without grad, each device's, the phases."""
+        self.forwards_without_grad = 0  # an evaluation's, inference
+        self._devices: dict[str, _Device] = {}
+        self._dp_phases = _DpPhaseSums()
 
     def feed(self, event: object) -> None:
         if isinstance(event, RankStepFinished):
@@ -191,8 +195,7 @@ class RunSummary:
                 # `dptui run`'s panels moved from a DataParallel only run without grad (a distillation
                 # teacher) to the first that trains: the summary is that one's.
                 self.started = None
-                self.forwards_without_grad = 0
-                self._devices, self._dp_phases = {}, _DpPhaseSums()
+                self._forget_forwards()
             self.started = self.started or event
             self._following = event.config.workload
         elif isinstance(event, (RunFinished, RunFailed)):

@@ -58,10 +58,6 @@ def _aborted_after_raising(gen: Generation, rank: int, code: int | None) -> bool
     return failed is not None and code == -signal.SIGABRT and failed.get("error") != "KeyboardInterrupt"
 
 
-def _after_raising_note(rank: int) -> str:
-    return f"rank {rank} ended with SIGABRT in interpreter teardown after its script raised: counted as exit 1"
-
-
 def rank_end(gen: Generation, rank: int, recorded: int | None) -> RankEnded | None:
     """The rank's end, once (None if said already): its script's status if it said, else `recorded`,
     torchrun's record of its process (None: not in the record, so it exited 0)."""
@@ -115,17 +111,12 @@ def exit_status(gen: Generation, record: FailureRecord, stopped_by: int | None, 
             error = gen.failed[raised_first].get("error") or "an exception"
             notes += (f"rank {raised_first} raised first ({error}); torchrun names rank {root.rank} "
                       "as its first failure",)
-        if _aborted_after_raising(gen, root.rank, root.exit_code):
-            return ExitStatus(1, None, root.rank, (*notes, _after_raising_note(root.rank)))
-        return ExitStatus(shell_status(root.exit_code), signal_name(root.exit_code), root.rank, notes)
+        return _failed(gen, root.rank, root.exit_code, notes)
     # The first rank whose script raised is the cause (its peers may raise after it, in a collective
     # whose peer is gone), even when torchrun saw a peer die first: a gloo rank whose peer is gone may
     # abort (SIGABRT) in its collective before the raiser's exit. `failed` is in the order they said it.
     for rank in gen.failed:
-        recorded = record.exit_code_of(rank) or gen.remote_codes.get(rank)
-        if _aborted_after_raising(gen, rank, recorded):
-            return ExitStatus(1, None, rank, (*notes, _after_raising_note(rank)))
-        return ExitStatus(shell_status(recorded) if recorded else 1, signal_name(recorded or 0), rank, notes)
+        return _failed(gen, rank, record.exit_code_of(rank) or gen.remote_codes.get(rank), notes)
     for failure in record.failures:  # the first observed failure first
         if gen.finished.get(failure.rank) == 0:
             continue  # a teardown abort, noted
@@ -138,6 +129,14 @@ def exit_status(gen: Generation, record: FailureRecord, stopped_by: int | None, 
         if code != 0:
             return ExitStatus(shell_status(code), None, rank, notes)
     return ExitStatus(shell_status(launcher_code), signal_name(launcher_code), None, notes)
+
+
+def _failed(gen: Generation, rank: int, code: int | None, notes: tuple[str, ...]) -> ExitStatus:
+    """dptui's status for a failed rank whose process ended with `code` (None or 0: unknown, 1)."""
+    if _aborted_after_raising(gen, rank, code):
+        note = f"rank {rank} ended with SIGABRT in interpreter teardown after its script raised: counted as exit 1"
+        return ExitStatus(1, None, rank, (*notes, note))
+    return ExitStatus(shell_status(code) if code else 1, signal_name(code or 0), rank, notes)
 
 
 def shell_status(code: int) -> int:
